@@ -1,0 +1,154 @@
+"""Training throughput of gptlab on this machine, beside Hugging Face transformers' GPT-2 of the same shape.
+
+For each model size it times full training steps (forward, backward, clip, AdamW) on random tokens
+and prints tokens/s, milliseconds per step and MFU: the achieved FLOP/s (6 N per token for the
+weights plus 12 L T D for attention) as a fraction of the matmul peak measured here, in the same
+run, at the same precision. transformers' column appears when it is installed (`pip install
+'gptlab[hf]'`); it runs in float32 eager mode only.
+
+    python benchmarks/train_throughput.py            # the full table (several minutes with compile)
+    python benchmarks/train_throughput.py --quick    # float32 and bf16, no compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gptlab.common import autocast
+from gptlab.config import ModelConfig, TrainConfig
+from gptlab.model import GPT
+from gptlab.train import make_optimizer
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    block_size: int
+    batch_size: int
+
+
+SIZES = [
+    Size("4x128 ctx64 (CPU recipe)", 4, 128, 4, 64, 12),
+    Size("6x384 ctx64", 6, 384, 6, 64, 12),
+    Size("6x384 ctx256", 6, 384, 6, 256, 12),
+]
+VOCAB = 65
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    """Best FLOP/s of an n x n matmul in `dtype` (what MFU is measured against)."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def flops_per_token(model: torch.nn.Module, size: Size) -> float:
+    """Training FLOPs per token: 6 per weight (forward + backward) plus attention's 12 L T D."""
+    n_params = sum(p.numel() for p in model.parameters())
+    return 6 * n_params + 12 * size.n_layer * size.block_size * size.n_embd
+
+
+def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
+    """Median seconds per call of `step` after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def gptlab_step(size: Size, dtype: torch.dtype, compile_model: bool) -> tuple[GPT, Callable[[], None]]:
+    config = ModelConfig(vocab_size=VOCAB, block_size=size.block_size, n_layer=size.n_layer,
+                         n_head=size.n_head, n_embd=size.n_embd)
+    model = GPT(config)
+    optimizer = make_optimizer(model, TrainConfig())
+    forward = torch.compile(model) if compile_model else model
+    x = torch.randint(0, VOCAB, (size.batch_size, size.block_size))
+    device = torch.device("cpu")
+
+    def step() -> None:
+        with autocast(device, dtype):
+            _, loss = forward(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def transformers_step(size: Size) -> tuple[torch.nn.Module, Callable[[], None]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=size.block_size, n_embd=size.n_embd,
+                        n_layer=size.n_layer, n_head=size.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
+                        attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, VOCAB, (size.batch_size, size.block_size))
+
+    def step() -> None:
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="skip torch.compile")
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    peaks = {torch.float32: matmul_peak(torch.float32), torch.bfloat16: matmul_peak(torch.bfloat16)}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; matmul peak 2048^2: "
+          f"float32 {peaks[torch.float32] / 1e9:.0f} GFLOP/s, "
+          f"bfloat16 {peaks[torch.bfloat16] / 1e9:.0f} GFLOP/s\n")
+    print(f"| {'model':<26} | {'implementation':<22} | {'tokens/s':>9} | {'ms/step':>8} | {'MFU':>6} |")
+    print(f"|{'-' * 28}|{'-' * 24}|{'-' * 11}|{'-' * 10}|{'-' * 8}|")
+    variants = [(torch.float32, False), (torch.bfloat16, False)]
+    if not args.quick:
+        variants += [(torch.float32, True), (torch.bfloat16, True)]
+    for size in SIZES:
+        tokens = size.batch_size * size.block_size
+        rows = []
+        for dtype, compile_model in variants:
+            model, step = gptlab_step(size, dtype, compile_model)
+            precision = "bf16" if dtype == torch.bfloat16 else "fp32"
+            label = f"gptlab {precision}{' compile' if compile_model else ''}"
+            rows.append((label, model, step, peaks[dtype]))
+        with contextlib.suppress(ImportError):
+            model, step = transformers_step(size)
+            rows.append(("transformers fp32", model, step, peaks[torch.float32]))
+        for label, model, step, peak in rows:
+            seconds = time_steps(step, warmup=3, steps=args.steps)
+            mfu = flops_per_token(model, size) * tokens / seconds / peak
+            print(f"| {size.name:<26} | {label:<22} | {tokens / seconds:>9,.0f} | {seconds * 1e3:>8.1f} | "
+                  f"{mfu:>6.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

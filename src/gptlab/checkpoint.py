@@ -1,0 +1,169 @@
+"""Checkpoints: one safetensors file holding everything a run needs, written atomically.
+
+A checkpoint file holds tensors under three prefixes (`model.`, `optim.`, `rng.`) and JSON in the
+safetensors header: the model and train configs, the tokenizer, and the training state (step, best
+validation loss, optimiser hyper-parameters). Nothing needs pickle to load. A run folder holds
+`last.safetensors` (for --resume) and `best.safetensors` (lowest validation loss, for sampling).
+
+Writes go to a temporary file that is fsynced and then renamed over the old one, so a crash or kill
+at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from gptlab.config import ModelConfig, TrainConfig
+from gptlab.model import GPT
+from gptlab.tokenizer import Tokenizer, tokenizer_from_dict
+
+FORMAT = "gptlab-checkpoint-1"
+LAST, BEST = "last.safetensors", "best.safetensors"
+
+
+@dataclass
+class Checkpoint:
+    """The contents of one checkpoint file."""
+
+    model_config: ModelConfig
+    tokenizer: dict[str, Any]
+    model_state: dict[str, torch.Tensor]
+    train_config: TrainConfig | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # step, best_val_loss, ... (JSON)
+    optimizer_state: dict[str, Any] | None = None
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def build_model(self) -> GPT:
+        """A GPT with these weights (tied heads restored from the embedding)."""
+        model = GPT(self.model_config)
+        missing, unexpected = model.load_state_dict(self.model_state, strict=False)
+        allowed_missing = ["lm_head.weight"] if self.model_config.tied else []
+        if unexpected or sorted(missing) != allowed_missing:
+            raise ValueError(
+                f"checkpoint weights do not fit the model config: missing {missing}, unexpected {unexpected}"
+            )
+        return model
+
+
+def model_tensors(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's state without the duplicate name of a tied head (safetensors stores no aliases)."""
+    state = model.state_dict()
+    if model.config.tied:
+        state.pop("lm_head.weight")
+    return {name: tensor.detach().contiguous() for name, tensor in state.items()}
+
+
+def _flatten_optimizer(optimizer_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    tensors = {}
+    for param_id, slots in optimizer_state["state"].items():
+        for slot, value in slots.items():
+            tensors[f"optim.{param_id}.{slot}"] = torch.as_tensor(value).contiguous()
+    return tensors, optimizer_state["param_groups"]
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], param_groups: list[Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        _, param_id, slot = key.split(".", 2)
+        state.setdefault(int(param_id), {})[slot] = tensor
+    return {"state": state, "param_groups": param_groups}
+
+
+def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
+    """Write `checkpoint` to `path` atomically (temporary file, fsync, rename)."""
+    tensors = {f"model.{name}": t for name, t in checkpoint.model_state.items()}
+    param_groups: list[Any] = []
+    if checkpoint.optimizer_state is not None:
+        optim_tensors, param_groups = _flatten_optimizer(checkpoint.optimizer_state)
+        tensors.update(optim_tensors)
+    tensors.update({f"rng.{name}": t.contiguous() for name, t in checkpoint.rng.items()})
+    metadata = {
+        "format": FORMAT,
+        "model_config": json.dumps(checkpoint.model_config.to_dict()),
+        "train_config": json.dumps(checkpoint.train_config.to_dict() if checkpoint.train_config else None),
+        "tokenizer": json.dumps(checkpoint.tokenizer),
+        "state": json.dumps(checkpoint.state),
+        "optimizer_param_groups": json.dumps(param_groups),
+        "has_optimizer": json.dumps(checkpoint.optimizer_state is not None),
+    }
+    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+
+def atomic_write(path: Path, write: Any) -> None:
+    """Call `write(tmp_path)`, fsync the file, then rename it to `path` (and fsync the folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def resolve_checkpoint(path: str | Path, prefer: str = BEST) -> Path:
+    """A checkpoint file from a file path or a run folder (its `prefer` file, else the other one)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(f"no run folder or checkpoint at {path}")
+    for name in (prefer, LAST, BEST):
+        if (path / name).is_file():
+            return path / name
+    raise FileNotFoundError(f"{path} holds no checkpoint ({LAST} or {BEST}): train a model into it first")
+
+
+def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
+    """Read a checkpoint file (or a run folder's `prefer` checkpoint) onto the CPU."""
+    file = resolve_checkpoint(path, prefer)
+    groups: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": {}}
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            metadata = reader.metadata() or {}
+            for key in reader.keys():
+                prefix, _, rest = key.partition(".")
+                groups[prefix][rest if prefix != "optim" else key] = reader.get_tensor(key)
+    except Exception as err:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"{file} is not a readable gptlab checkpoint ({err})") from err
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{file} is not a gptlab checkpoint (format {metadata.get('format')!r})")
+    train_config = json.loads(metadata["train_config"])
+    optimizer = None
+    if json.loads(metadata["has_optimizer"]):
+        optimizer = _unflatten_optimizer(groups["optim"], json.loads(metadata["optimizer_param_groups"]))
+    return Checkpoint(
+        model_config=ModelConfig.from_dict(json.loads(metadata["model_config"])),
+        tokenizer=json.loads(metadata["tokenizer"]),
+        model_state=groups["model"],
+        train_config=TrainConfig.from_dict(train_config) if train_config else None,
+        state=json.loads(metadata["state"]),
+        optimizer_state=optimizer,
+        rng=groups["rng"],
+    )
+
+
+def load_run(
+    path: str | Path, device: torch.device | str = "cpu", prefer: str = BEST
+) -> tuple[GPT, Tokenizer]:
+    """The model (in eval mode, on `device`) and tokenizer of a run folder or checkpoint file."""
+    checkpoint = load_checkpoint(path, prefer)
+    model = checkpoint.build_model().to(device).eval()
+    return model, tokenizer_from_dict(checkpoint.tokenizer)

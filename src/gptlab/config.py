@@ -1,0 +1,212 @@
+"""Configuration dataclasses: one flat, typed config per concern, validated on construction.
+
+Every config can be turned into a plain dict (saved as JSON beside each checkpoint) and built back
+from one; an unknown key, a value of the wrong type or an impossible combination raises a
+ValueError naming the field, the bad value and what to do instead.
+
+Glossary (the handout's letters beside our field names): L = n_layer, H = n_head, D = n_embd,
+T_max = block_size, Vocab = vocab_size, d_h = D / H (the head size, "hs" in shape comments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+C = TypeVar("C", bound="Config")
+
+
+class Config:
+    """Shared behaviour of the config dataclasses: type checks, dict round trip, validation hook."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(type(self).__name__, f.name, getattr(self, f.name), hints[f.name]))
+        self.validate()
+
+    def validate(self) -> None:
+        """Check combinations of fields; subclasses raise ValueError with the fix."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls: type[C], values: dict[str, Any]) -> C:
+        """Build from a dict (a saved JSON file, a TOML table), refusing keys the config lacks."""
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown {cls.__name__} field(s) {', '.join(unknown)}; "
+                f"known fields are: {', '.join(cls.field_names())}"
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self: C, **changes: Any) -> C:
+        """A copy with some fields changed, validated again."""
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+
+def _coerce(owner: str, name: str, value: Any, kind: Any) -> Any:
+    """Accept a value of the annotated type (an int where a float is wanted), else say what is wrong."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # bool is a subclass of int in Python: `n_layer=True` must still be refused.
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if not ok:
+        raise ValueError(
+            f"{owner}.{name}={value!r} must be of type {kind.__name__}, not {type(value).__name__}"
+        )
+    return value
+
+
+def check_positive(owner: str, **values: float) -> None:
+    """Raise a ValueError naming the first field that is not > 0."""
+    for name, value in values.items():
+        if value <= 0:
+            raise ValueError(f"{owner}.{name}={value} must be positive")
+
+
+def check_choice(owner: str, name: str, value: str, choices: typing.Iterable[str]) -> None:
+    """Raise a ValueError naming the field and listing the allowed values."""
+    choices = list(choices)
+    if value not in choices:
+        raise ValueError(f"{owner}.{name}={value!r} is not one of: {', '.join(choices)}")
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field carrying its command-line help and allowed values."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+NORMS = ("layernorm", "rmsnorm", "none")
+ARRANGEMENTS = ("pre", "post")
+FFNS = ("gelu", "relu", "swiglu")
+POSITIONS = ("learned", "sinusoidal", "rope", "none")
+ATTENTION_KERNELS = ("sdpa", "naive")
+
+
+@dataclass
+class ModelConfig(Config):
+    """The decoder-only Transformer's shape and architectural options (handout §2-§7).
+
+    `norm="none"` exists for the handout's §7.4 toy trace, which has no normalisation.
+    """
+
+    vocab_size: int = option(256, "vocabulary size V (set from the tokenizer when training)")
+    block_size: int = option(256, "context window T_max: the most tokens the model sees at once")
+    n_layer: int = option(4, "number of blocks L")
+    n_head: int = option(4, "attention heads H per block; must divide n_embd")
+    n_embd: int = option(128, "model width D")
+    ffn_mult: float = option(4.0, "feed-forward width F = ffn_mult * D (§5: D_ff = 4D)")
+    norm: str = option("layernorm", "normalisation (§5, §9.3)", NORMS)
+    arrangement: str = option("pre", "where the norms sit: pre-norm x + g(LN(x)) or post-norm LN(x + g(x))",
+                              ARRANGEMENTS)
+    ffn: str = option("gelu", "feed-forward activation; swiglu is the gated FFN of §9.3", FFNS)
+    positions: str = option("learned", "position information (§6)", POSITIONS)
+    tied: bool = option(True, "vocabulary head shares the token embedding E (§6)")
+    bias: bool = option(True, "biases in linear layers and LayerNorm")
+    dropout: float = option(0.0, "dropout on embeddings and residual updates, in [0, 1)")
+    attention: str = option("sdpa", "attention kernel: fused sdpa, or naive explicit scores/mask/softmax",
+                            ATTENTION_KERNELS)
+    causal: bool = option(True, "mask the future in every block (§7.3); off only for demos and encoders")
+    norm_eps: float = option(1e-5, "epsilon inside the norms")
+    rope_base: float = option(10000.0, "RoPE frequency base")
+
+    def validate(self) -> None:
+        owner = "ModelConfig"
+        check_positive(
+            owner,
+            vocab_size=self.vocab_size,
+            block_size=self.block_size,
+            n_layer=self.n_layer,
+            n_head=self.n_head,
+            n_embd=self.n_embd,
+            ffn_mult=self.ffn_mult,
+            norm_eps=self.norm_eps,
+            rope_base=self.rope_base,
+        )
+        check_choice(owner, "norm", self.norm, NORMS)
+        check_choice(owner, "arrangement", self.arrangement, ARRANGEMENTS)
+        check_choice(owner, "ffn", self.ffn, FFNS)
+        check_choice(owner, "positions", self.positions, POSITIONS)
+        check_choice(owner, "attention", self.attention, ATTENTION_KERNELS)
+        if self.n_embd % self.n_head:
+            nearest = self.n_head * max(1, round(self.n_embd / self.n_head))
+            raise ValueError(
+                f"{owner}.n_embd={self.n_embd} is not divisible by n_head={self.n_head}: "
+                f"choose n_embd as a multiple of n_head (for example {nearest})"
+            )
+        if self.positions == "rope" and self.head_size % 2:
+            raise ValueError(
+                f"{owner}.positions='rope' needs an even head size, but n_embd/n_head = "
+                f"{self.n_embd}/{self.n_head} = {self.head_size}: change n_embd or n_head"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"{owner}.dropout={self.dropout} must be in [0, 1)")
+        if self.ffn_hidden < 1:
+            raise ValueError(
+                f"{owner}.ffn_mult={self.ffn_mult} gives no feed-forward units at n_embd={self.n_embd}"
+            )
+
+    @property
+    def head_size(self) -> int:
+        """d_h = D / H (§4)."""
+        return self.n_embd // self.n_head
+
+    @property
+    def ffn_hidden(self) -> int:
+        """F, the feed-forward width."""
+        return int(self.ffn_mult * self.n_embd)
+
+
+PRECISIONS = ("auto", "float32", "bfloat16")
+
+
+@dataclass
+class TrainConfig(Config):
+    """How to train: batch, schedule, optimiser, evaluation and precision."""
+
+    batch_size: int = option(12, "sequences per micro-batch")
+    grad_accum: int = option(1, "micro-batches summed into one optimiser step")
+    max_steps: int = option(2000, "optimiser steps")
+    lr: float = option(1e-3, "peak learning rate (AdamW)")
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = option(100, "steps of linear warm-up from 0 to lr")
+    weight_decay: float = option(0.1, "AdamW weight decay, on matrices only (not biases, norms)")
+    beta1: float = option(0.9, "AdamW beta1")
+    beta2: float = option(0.99, "AdamW beta2")
+    grad_clip: float = option(1.0, "clip the global gradient norm to this (0 turns clipping off)")
+    eval_interval: int = option(250, "evaluate on the held-out split every this many steps")
+    eval_batches: int = option(20, "micro-batches per evaluation")
+    seed: int = option(1337, "seed for initialisation, batches and dropout")
+    precision: str = option("auto", "matmul precision: auto picks bfloat16 where it is faster", PRECISIONS)
+    compile: bool = option(False, "wrap the model in torch.compile")
+    device: str = option("auto", "cpu, cuda, cuda:N, mps, or auto")
+
+    def validate(self) -> None:
+        owner = "TrainConfig"
+        check_positive(
+            owner,
+            batch_size=self.batch_size,
+            grad_accum=self.grad_accum,
+            max_steps=self.max_steps,
+            lr=self.lr,
+            eval_interval=self.eval_interval,
+            eval_batches=self.eval_batches,
+        )
+        check_choice(owner, "precision", self.precision, PRECISIONS)
+        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{owner}.{name}={getattr(self, name)} must not be negative")
+        if self.min_lr > self.lr:
+            raise ValueError(f"{owner}.min_lr={self.min_lr} is above lr={self.lr}: lower min_lr")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{owner}.{name}={getattr(self, name)} must be in [0, 1)")

@@ -1,0 +1,638 @@
+"""The handout, checked by the library itself: every worked example and stated property of handout #11.
+
+Each check function rebuilds one section's numbers with gptlab's own parts (`attention_scores`,
+`masked_softmax`, `attention`, `causal_mask`, `KERNELS`, `CausalSelfAttention`, `MLP`, `NORMS`,
+`Block`, `GPT`, `parameter_count`), not with a toy copy of them, and returns `CheckResult`s that
+state the handout's expectation, the computed value and whether they agree within an explicit
+tolerance. This is the handout's §8 lab, run against the real model.
+
+The model module is always reached through its name (`M.attention_scores`, ...) so that a test
+which monkeypatches `gptlab.model` breaks the lab too: that is how the tests prove the checks bite.
+
+Every check is deterministic on its own: it seeds the global generator inside `torch.random.fork_rng`
+(so the caller's random state is untouched and the order of checks does not matter) and computes in
+float32 on the CPU.
+
+Shape legend: B batch, T positions, D model width, H heads, hs head size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptlab import model as M
+from gptlab.config import ModelConfig
+
+Reference = torch.Tensor | Sequence
+Check = Callable[[], "list[CheckResult]"]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One verified statement: the handout's expectation beside what the library computed."""
+
+    section: str  # e.g. "§2.1"
+    name: str  # short description, e.g. "retrieval output y"
+    expected: str  # human-readable expectation, with its tolerance
+    computed: str  # human-readable computed value
+    passed: bool
+
+
+# ---------------------------------------------------------------------------------------------
+# Reporting helpers: every comparison states its tolerance and reports the largest difference.
+
+
+def _fmt(values: torch.Tensor | Sequence | float) -> str:
+    """Nested lists with six decimals; tensors too big to read are summarised by their shape."""
+    if isinstance(values, torch.Tensor):
+        if values.numel() > 16:
+            return f"<tensor of shape {tuple(values.shape)}>"
+        values = values.detach().double().tolist()
+    if isinstance(values, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in values) + "]"
+    return f"{round(float(values), 6) + 0.0:.6f}"  # + 0.0 turns -0.0 into 0.0
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return math.inf
+    if a.numel() == 0:
+        return 0.0
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def _close(section: str, name: str, computed: torch.Tensor, reference: Reference, tol: float,
+           shown: str | None = None) -> CheckResult:
+    """computed matches reference elementwise within tol (a NaN or a shape mismatch fails)."""
+    ref = reference if isinstance(reference, torch.Tensor) else torch.tensor(reference, dtype=torch.float64)
+    diff = _max_diff(computed, ref)
+    return CheckResult(section, name, f"{shown or _fmt(ref)} (max |diff| <= {tol:g})",
+                       f"{_fmt(computed)} (max |diff| = {diff:.1e})", diff <= tol)
+
+
+def _identical(section: str, name: str, computed: torch.Tensor, reference: torch.Tensor,
+               what: str) -> CheckResult:
+    same = torch.equal(computed, reference)
+    return CheckResult(section, name, f"{what}: bit-identical (torch.equal)",
+                       f"torch.equal = {same}, max |diff| = {_max_diff(computed, reference):.1e}", same)
+
+
+def _exceeds(section: str, name: str, value: float, bound: float, what: str) -> CheckResult:
+    """A property that must visibly hold: value > bound (e.g. outputs do move)."""
+    return CheckResult(section, name, f"{what} > {bound:g}", f"{value:.3e}", value > bound)
+
+
+def _differs(section: str, name: str, a: torch.Tensor, b: torch.Tensor, bound: float) -> CheckResult:
+    return _exceeds(section, name, _max_diff(a, b), bound, "max |diff|")
+
+
+@contextlib.contextmanager
+def _fresh(seed: int) -> Iterator[None]:
+    """Seed the global generator (module initialisers draw from it) without disturbing the caller's."""
+    dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        torch.set_default_dtype(torch.float32)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(dtype)
+
+
+def _seeded(seed: int) -> Callable[[Check], Check]:
+    def wrap(check: Check) -> Check:
+        @functools.wraps(check)
+        def run() -> list[CheckResult]:
+            with _fresh(seed):
+                return check()
+
+        return run
+
+    return wrap
+
+
+def _small(**changes: object) -> ModelConfig:
+    """The lab's tiny model: V=16, D=16, H=2, L=2, T_max=8, no dropout."""
+    return ModelConfig.from_dict({"vocab_size": 16, "block_size": 8, "n_layer": 2, "n_head": 2,
+                                  "n_embd": 16, **changes})
+
+
+def _random_gpt(seed: int, **changes: object) -> M.GPT:
+    """A small GPT whose matrices are redrawn with std 0.25 so that attention is far from uniform.
+
+    At GPT-2's init (std 0.02) every head averages almost uniformly, so a kernel bug such as a missing
+    1/sqrt(hs) moves the logits by only ~3e-4, close to a 1e-5 tolerance; with these weights the
+    same bug moves them by ~2. Norm gains stay at one.
+    """
+    torch.manual_seed(seed)
+    model = M.GPT(_small(**changes))
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.normal_(0.0, 0.25)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# §2-§3: one query, scaling, and the batched matrix operation
+
+
+@_seeded(21)
+def check_retrieval() -> list[CheckResult]:
+    """§2.1: q = [1, 0] against three keys retrieves y = [2, 1.5], a convex combination of the values."""
+    s = "§2.1"
+    query = torch.tensor([[1.0, 0.0]])  # (Tq=1, d_k=2)
+    keys = torch.tensor([[math.sqrt(2) * math.log(2), 0.0], [0.0, 1.0], [0.0, -1.0]])  # (Tk=3, d_k)
+    values = torch.tensor([[2.0, 0.0], [0.0, 2.0], [4.0, 4.0]])  # (Tk, d_v=2)
+    scores = M.attention_scores(query, keys)
+    y, weights = M.attention(query, keys, values)
+    fused = M.KERNELS["sdpa"](query[None], keys[None], values[None], False)  # (1, 1, d_v)
+    nearest = (values - y).norm(dim=-1).min().item()
+    return [
+        _close(s, "scaled scores s", scores[0], [math.log(2), 0, 0], 1e-6, "[log 2, 0, 0]"),
+        _close(s, "weights a", M.masked_softmax(scores)[0], [0.5, 0.25, 0.25], 1e-6, "[1/2, 1/4, 1/4]"),
+        _close(s, "retrieval output y", y[0], [2, 1.5], 1e-6, "[2, 1.5]"),
+        _close(s, "sdpa kernel output y", fused[0, 0], [2, 1.5], 1e-6, "[2, 1.5]"),
+        CheckResult(s, "weights are nonnegative", "min a >= 0", f"{weights.min().item():.6f}",
+                    bool(weights.min() >= 0)),
+        _close(s, "weights sum to one", weights.sum(-1), [1.0], 1e-6),
+        _close(s, "y is the weighted sum of the values", y, weights @ values, 1e-6, "a @ V"),
+        _exceeds(s, "y equals no single value", nearest, 0.1, "distance to the nearest value"),
+    ]
+
+
+def _variance_checks(sigma: float, samples: int) -> list[CheckResult]:
+    """Sample q, k with iid N(0, sigma^2) coordinates; compare score variances with the §3.1 argument."""
+    generator = torch.Generator().manual_seed(311)
+    results = []
+    for d_k in (4, 64, 1024):
+        q = sigma * torch.randn(samples, 1, d_k, generator=generator)  # (N, Tq=1, d_k)
+        k = sigma * torch.randn(samples, 1, d_k, generator=generator)  # (N, Tk=1, d_k)
+        for label, value, target in (
+            ("scaled scores", M.attention_scores(q, k).var().item(), sigma**4),
+            ("raw q.k", (q * k).sum(-1).var().item(), d_k * sigma**4),
+        ):
+            error = value / target - 1
+            results.append(CheckResult("§3.1", f"variance of {label}, d_k={d_k}",
+                                       f"{target:.4f} (relative error <= 10%)",
+                                       f"{value:.4f} ({error:+.1%})", abs(error) <= 0.1))
+    return results
+
+
+@_seeded(31)
+def check_scaling() -> list[CheckResult]:
+    """§3.1: dividing by sqrt(d_k) keeps scores at variance sigma^4 and softmax away from saturation."""
+    s = "§3.1"
+    raw = torch.tensor([0.0, 8.0])
+    query = torch.full((1, 64), 1 / 8)  # (1, d_k=64), a unit vector
+    keys = torch.stack([torch.tensor([1.0, -1.0]).repeat(32), torch.ones(64)])  # (2, 64): q.k = 0, 8
+    scores = M.attention_scores(query, keys)[0]
+    return [
+        _close(s, "softmax of unscaled [0, 8]", M.masked_softmax(raw), [0.000335, 0.999665], 1e-6),
+        _close(s, "raw q.k at d_k=64", (query @ keys.T)[0], [0, 8], 1e-6),
+        _close(s, "scaled scores at d_k=64", scores, [0, 1], 1e-6),
+        _close(s, "weights at d_k=64", M.masked_softmax(scores), [0.268941, 0.731059], 1e-6),
+    ] + _variance_checks(sigma=1.5, samples=20000)
+
+
+@_seeded(32)
+def check_batching() -> list[CheckResult]:
+    """§3.2: rows of every attention matrix sum to one, columns need not; batch items never mix."""
+    s = "§3.2"
+    x = 3 * torch.randn(2, 6, 8)  # (B, T, D); large enough that routing is far from uniform
+    changed = x.clone()
+    changed[1] = 3 * torch.randn(6, 8)  # a different batch item 1
+    results = []
+    for kernel in ("naive", "sdpa"):
+        torch.manual_seed(320)  # same weights for both kernels
+        attn = M.CausalSelfAttention(ModelConfig(n_embd=8, n_head=2, block_size=8, attention=kernel))
+        for causal in (True, False):
+            attn.causal = causal
+            tag = f"{kernel}, {'masked' if causal else 'unmasked'}"
+            if kernel == "naive":  # attention_weights is recomputed explicitly whatever the kernel
+                weights = attn.attention_weights(x)  # (B, H, T, T)
+                results.append(_close(s, f"rows sum to one ({tag})", weights.sum(-1),
+                                      torch.ones(weights.shape[:-1]), 1e-6, "1 for every row"))
+                columns = (weights.sum(-2) - 1).abs().max().item()
+                results.append(_exceeds(s, f"columns do not ({tag})", columns, 0.1, "max |column sum - 1|"))
+            results.append(_identical(s, f"batch items do not mix ({tag})", attn(changed)[0], attn(x)[0],
+                                      "item 0's output after changing item 1"))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# §4: multiple heads
+
+
+@_seeded(4)
+def check_head_parameters() -> list[CheckResult]:
+    """§4: at D=8 without biases, attention has 3D^2 + D^2 = 192 + 64 = 256 parameters for any H."""
+    results = []
+    for n_head in (1, 2, 4, 8):
+        config = ModelConfig(vocab_size=16, block_size=8, n_layer=2, n_head=n_head, n_embd=8, bias=False)
+        attn = M.CausalSelfAttention(config)
+        fused, out = attn.c_attn.weight.numel(), attn.c_proj.weight.numel()
+        counted = sum(p.numel() for p in attn.parameters())
+        arithmetic = M.parameter_count(config)["attention"] / config.n_layer
+        results.append(CheckResult("§4", f"attention parameters, D=8, H={n_head}",
+                                   "192 + 64 = 256 (module and parameter_count / L)",
+                                   f"{fused} + {out} = {counted}; parameter_count / L = {arithmetic:g}",
+                                   (fused, out, counted, arithmetic) == (192, 64, 256, 256)))
+    return results
+
+
+def _two_head_module(kernel: str) -> M.CausalSelfAttention:
+    """§4.1's heads: D=4, H=2, hs=2, no biases, W_O = I, weights read off one-hot inputs."""
+    config = ModelConfig(vocab_size=4, block_size=3, n_layer=1, n_head=2, n_embd=4, bias=False,
+                         attention=kernel)
+    attn = M.CausalSelfAttention(config)
+    # With one-hot input rows x_j = e_j, row j of x W^T is column j of W (nn.Linear stores W as
+    # out x in), so column j of each matrix is exactly what position j publishes, heads side by side.
+    w_q, w_k, w_v = torch.zeros(4, 4), torch.zeros(4, 4), torch.zeros(4, 4)
+    # Position 2 asks [sqrt 2, 0] in both heads; the sqrt 2 cancels the library's 1/sqrt(hs) scale.
+    w_q[:, 2] = torch.tensor([math.sqrt(2), 0.0, math.sqrt(2), 0.0])
+    # Head 1's key at position 0 and head 2's at position 1 are [log 8, 0]; every other key is 0,
+    # so the scaled scores at position 2 are [log 8, 0, 0] and [0, log 8, 0].
+    w_k[0, 0] = w_k[2, 1] = math.log(8)
+    # Both heads publish §2.1's values: position j's value row is [v_j | v_j].
+    for j, v in enumerate(([2.0, 0.0], [0.0, 2.0], [4.0, 4.0])):
+        w_v[:, j] = torch.tensor(v + v)
+    with torch.no_grad():
+        attn.c_attn.weight.copy_(torch.cat([w_q, w_k, w_v]))  # (3D, D) = [W_Q; W_K; W_V]
+        attn.c_proj.weight.copy_(torch.eye(4))  # W_O = I_4 keeps the four features apart
+    return attn
+
+
+@_seeded(41)
+def check_two_heads() -> list[CheckResult]:
+    """§4.1: two heads route the same query differently; concatenation keeps both answers."""
+    s = "§4.1"
+    x = torch.eye(4)[:3].unsqueeze(0)  # (B=1, T=3, D=4): rows e_0, e_1, e_2
+    attn = _two_head_module("naive")
+    weights = attn.attention_weights(x)[0, :, 2]  # (H, Tk) at query position 2
+    y = attn(x)[0, 2]  # (D,) = [head 1 | head 2]
+    average = y.view(2, 2).mean(0)  # what averaging the heads' answers would give
+    return [
+        _close(s, "weights of the two heads at position 2", weights,
+               [[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]], 1e-6),
+        _close(s, "output at position 2 (naive)", y, [2, 0.6, 0.6, 2], 1e-6, "[2, 0.6 | 0.6, 2]"),
+        _close(s, "output at position 2 (sdpa)", _two_head_module("sdpa")(x)[0, 2], [2, 0.6, 0.6, 2], 1e-6,
+               "[2, 0.6 | 0.6, 2]"),
+        _close(s, "averaging the heads instead", average, [1.3, 1.3], 1e-6),
+        _differs(s, "concatenation is not averaging", y, average.repeat(2), 0.1),
+        _exceeds(s, "both heads weight position 2", weights[:, 2].min().item(), 0.0, "min weight"),
+    ]
+
+
+class _Head(nn.Module):
+    """One separately parameterised causal head, as in the course tutorial's Attn (§9.3)."""
+
+    def __init__(self, n_embd: int, head_size: int) -> None:
+        super().__init__()
+        self.query = nn.Linear(n_embd, head_size)
+        self.key = nn.Linear(n_embd, head_size)
+        self.value = nn.Linear(n_embd, head_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, hs)
+        mask = M.causal_mask(x.size(1), x.size(1), x.device)
+        return M.attention(self.query(x), self.key(x), self.value(x), mask)[0]
+
+
+def _separate_heads(attn: M.CausalSelfAttention, n_embd: int, n_head: int) -> list[_Head]:
+    """Copy each head's rows of W_Q, W_K, W_V (and biases) out of the fused c_attn."""
+    hs = n_embd // n_head
+    families = list(zip(attn.c_attn.weight.split(n_embd), attn.c_attn.bias.split(n_embd), strict=True))
+    heads = []
+    for h in range(n_head):
+        head, rows = _Head(n_embd, hs), slice(h * hs, (h + 1) * hs)  # head h's output features
+        with torch.no_grad():
+            for layer, (weight, bias) in zip((head.query, head.key, head.value), families, strict=True):
+                layer.weight.copy_(weight[rows])
+                layer.bias.copy_(bias[rows])
+        heads.append(head)
+    return heads
+
+
+@_seeded(42)
+def check_fused_projection() -> list[CheckResult]:
+    """§4.2: one fused projection is three projections; fused heads equal separate heads concatenated."""
+    s = "§4.2"
+    B, T, D, H = 2, 5, 8, 2
+    x = torch.randn(B, T, D)
+    results = []
+    for kernel in ("sdpa", "naive"):
+        torch.manual_seed(420)
+        attn = M.CausalSelfAttention(ModelConfig(n_embd=D, n_head=H, block_size=8, attention=kernel))
+        if kernel == "sdpa":  # the projections do not depend on the kernel
+            fused = attn.project(x)  # 3 x (B, H, T, hs)
+            weights, biases = attn.c_attn.weight.split(D), attn.c_attn.bias.split(D)
+            for name, got, weight, bias in zip("QKV", fused, weights, biases, strict=True):
+                separate = F.linear(x, weight, bias).view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, hs)
+                results.append(_close(s, f"fused {name} equals its own projection", got, separate, 1e-6,
+                                      f"F.linear(x, W_{name}, b_{name}) split into heads"))
+            shape = tuple(attn.attention_weights(x).shape)
+            results.append(CheckResult(s, "attention weights shape", "(B, H, T, T) = (2, 2, 5, 5)",
+                                       str(shape), shape == (B, H, T, T)))
+        heads = _separate_heads(attn, D, H)
+        concatenated = attn.c_proj(torch.cat([head(x) for head in heads], dim=-1))  # (B, T, D)
+        results.append(_close(s, f"separate heads concatenated equal the module ({kernel})", attn(x),
+                              concatenated, 1e-6, "c_proj(cat([h(x) for h in heads]))"))
+    return results
+
+
+# ---------------------------------------------------------------------------------------------
+# §5: LayerNorm works within a token; the FFN's nonlinearity matters
+
+
+def _layernorm_checks() -> list[CheckResult]:
+    s = "§5"
+    norm = M.NORMS["layernorm"](ModelConfig(n_embd=8, n_head=2, block_size=8))
+    # A per-feature offset gives every token the same feature pattern, which LayerNorm keeps, so
+    # means over positions or over batch items stay visibly away from zero.
+    x = torch.randn(2, 5, 8) + torch.arange(8.0)  # (B, T, D)
+    y = norm(x)
+    changed = x.clone()
+    changed[0, 3] += 5 * torch.randn(8)  # another token of item 0
+    changed[1] = torch.randn(5, 8)  # another batch item
+    kept = [0, 1, 2, 4]  # item 0's untouched tokens
+    return [
+        _close(s, "LayerNorm: per-token mean over features", y.mean(-1), torch.zeros(2, 5), 1e-4,
+               "0 for every token"),
+        _close(s, "LayerNorm: per-token variance over features", y.var(-1, correction=0),
+               torch.ones(2, 5), 1e-4, "1 for every token"),
+        _exceeds(s, "LayerNorm: means over positions are not zero", y.mean(1).abs().max().item(), 0.1,
+                 "max |mean over T|"),
+        _exceeds(s, "LayerNorm: means over batch items are not zero", y.mean(0).abs().max().item(), 0.1,
+                 "max |mean over B|"),
+        _identical(s, "LayerNorm: other tokens do not affect a token", norm(changed)[0, kept], y[0, kept],
+                   "untouched tokens after changing others"),
+    ]
+
+
+def _affine_residual(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Relative residual of the best affine map x -> y: ||y - fit|| / ||y - mean(y)||."""
+    design = torch.cat([x, torch.ones(len(x), 1)], dim=1).detach().double()  # (N, D + 1): 1 carries bias
+    target = y.detach().double()
+    fit = design @ torch.linalg.lstsq(design, target).solution
+    return ((target - fit).norm() / (target - target.mean(0)).norm()).item()
+
+
+def _collapse_checks() -> list[CheckResult]:
+    s = "§5"
+    results = []
+    for ffn in ("relu", "gelu"):
+        torch.manual_seed(50)
+        mlp = M.MLP(ModelConfig(n_embd=8, n_head=2, block_size=8, ffn=ffn))  # PyTorch init: nonzero biases
+        w1, b1, w2, b2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias
+        x = 3 * torch.randn(4096, 8)  # (N, D); large enough that the activation's bend matters
+        linear_only = mlp.c_proj(mlp.c_fc(x))
+        results.append(_close(s, f"without {ffn}, two linear maps are one", linear_only,
+                              x @ (w2 @ w1).T + (w2 @ b1 + b2), 1e-5, "x (W2 W1)^T + (W2 b1 + b2)"))
+        results.append(_exceeds(s, f"with {ffn}, no affine map fits", _affine_residual(x, mlp(x)), 0.1,
+                                "relative residual of the best affine fit"))
+        residual = _affine_residual(x, linear_only)
+        results.append(CheckResult(s, f"without {ffn}, an affine map fits", "relative residual <= 1e-5",
+                                   f"{residual:.1e}", residual <= 1e-5))
+    return results
+
+
+@_seeded(5)
+def check_block_parts() -> list[CheckResult]:
+    """§5: LayerNorm normalises within a token; without its nonlinearity the FFN collapses to one map."""
+    return _layernorm_checks() + _collapse_checks()
+
+
+# ---------------------------------------------------------------------------------------------
+# §6: order, positions and the vocabulary head
+
+
+@_seeded(61)
+def check_permutation() -> list[CheckResult]:
+    """§6.1: without positions and mask, permuting input rows permutes output rows, nothing more."""
+    s = "§6.1"
+    idx = torch.randperm(16)[:8].unsqueeze(0)  # (1, T=8) distinct tokens, so every swap moves something
+    rows = torch.randn(2, 8, 16)  # (B, T, D)
+    unordered = _random_gpt(610, positions="none", causal=False)
+    ordered = _random_gpt(611, positions="learned", causal=False)
+    torch.manual_seed(612)
+    block = M.Block(_small(positions="none", causal=False))
+    results = []
+    for label, perm in (("swap rows 0 and 2", torch.tensor([2, 1, 0, 3, 4, 5, 6, 7])),
+                        ("random permutation", torch.randperm(8))):
+        logits, permuted = unordered(idx)[0], unordered(idx[:, perm])[0]
+        results += [
+            _close(s, f"GPT without positions is equivariant ({label})", permuted, logits[:, perm], 1e-5,
+                   "logits(idx)[:, perm]"),
+            _differs(s, f"... but not invariant ({label})", permuted, logits, 1e-3),
+            _close(s, f"one Block is equivariant ({label})", block(rows[:, perm]), block(rows)[:, perm], 1e-5,
+                   "block(rows)[:, perm]"),
+            _differs(s, f"learned positions break equivariance ({label})", ordered(idx[:, perm])[0],
+                     ordered(idx)[0][:, perm], 1e-3),
+        ]
+    return results
+
+
+@_seeded(6)
+def check_parameter_sharing() -> list[CheckResult]:
+    """§6: learned positions add T_max D parameters, sinusoidal none; a tied head is the embedding."""
+    s = "§6"
+    T, D, V = 8, 16, 16
+    models = {name: M.GPT(_small(**changes)) for name, changes in {
+        "none": {"positions": "none"}, "learned": {}, "sinusoidal": {"positions": "sinusoidal"},
+        "untied": {"tied": False}}.items()}
+    counts = {name: model.num_parameters() for name, model in models.items()}
+    arithmetic = {name: M.parameter_count(model.config)["total"] for name, model in models.items()}
+    tied = models["learned"]
+    shared = tied.lm_head.weight is tied.transformer.wte.weight
+    same_memory = tied.lm_head.weight.data_ptr() == tied.transformer.wte.weight.data_ptr()
+    return [
+        CheckResult(s, "learned positions add T_max * D", f"{T * D}",
+                    f"{counts['learned'] - counts['none']}", counts["learned"] - counts["none"] == T * D),
+        CheckResult(s, "sinusoidal positions add nothing", "0", f"{counts['sinusoidal'] - counts['none']}",
+                    counts["sinusoidal"] == counts["none"]),
+        CheckResult(s, "tied head is the embedding tensor", "same object and same data_ptr",
+                    f"is = {shared}, same data_ptr = {same_memory}", shared and same_memory),
+        CheckResult(s, "untied head adds V * D", f"{V * D}", f"{counts['untied'] - counts['learned']}",
+                    counts["untied"] - counts["learned"] == V * D),
+        CheckResult(s, "num_parameters agrees with parameter_count", str(arithmetic), str(counts),
+                    counts == arithmetic),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# §7: causality and the full numerical trace
+
+
+def _dependence(model: M.GPT, idx: torch.Tensor) -> torch.Tensor:
+    """(T, T) matrix: entry (i, j) is max |d sum(logits_i) / d x_j| over the features of input row j."""
+    with torch.enable_grad():
+        x = model.embed(idx).detach().requires_grad_()  # (1, T, D) input rows
+        logits = model.forward_embeddings(x)  # (1, T, V)
+        rows = [torch.autograd.grad(logits[0, i].sum(), x, retain_graph=True)[0][0]  # (T, D)
+                for i in range(idx.size(1))]
+    return torch.stack(rows).abs().amax(-1)
+
+
+def _causality_checks(kernel: str) -> list[CheckResult]:
+    model = _random_gpt(70, attention=kernel)
+    idx = torch.randint(0, 16, (1, 8), generator=torch.Generator().manual_seed(71))  # (1, T=8)
+    before, after = model(idx[:, :7])[0], model(idx)[0][:, :7]  # the prompt, then with a token appended
+    dependence = _dependence(model, idx)
+    future, past = dependence.triu(1), dependence.tril().amax(-1).min().item()
+    results = [
+        _close("§7.1", f"appending a token leaves earlier logits unchanged ({kernel})", after, before, 1e-5,
+               "logits before appending"),
+        CheckResult("§7.3", f"output i ignores inputs after i ({kernel})", "grad exactly 0 for every j > i",
+                    f"max |grad| over j > i = {future.max().item():.1e}", bool(torch.all(future == 0))),
+        _exceeds("§7.3", f"output i uses inputs up to i ({kernel})", past, 0.0,
+                 "min over i of max |grad| over j <= i"),
+    ]
+    for block in model.transformer.h:
+        block.attn.causal = False
+    leak = _dependence(model, idx)[0, 1:].max().item()
+    results.append(_exceeds("§7.3", f"without the mask output 0 sees later inputs ({kernel})", leak, 0.0,
+                            "max |grad of output 0| over j > 0"))
+    # Mask only the last block: the first can already copy the future into row 0.
+    model.transformer.h[-1].attn.causal = True
+    leak = _dependence(model, idx)[0, 1:].max().item()
+    results.append(_exceeds("§7.3", f"masking only the final block is not enough ({kernel})", leak, 0.0,
+                            "max |grad of output 0| over j > 0"))
+    return results
+
+
+@_seeded(7)
+def check_causality() -> list[CheckResult]:
+    """§7.1, §7.3: earlier logits ignore appended tokens; output i has zero gradient for inputs after i."""
+    return _causality_checks("sdpa") + _causality_checks("naive")
+
+
+def _toy_trace_model() -> M.GPT:
+    """§7.4's fixed toy parameters in a real GPT (D=2, one head, no norm, ReLU FFN, untied head)."""
+    config = ModelConfig(vocab_size=3, block_size=3, n_layer=1, n_head=1, n_embd=2, norm="none",
+                         arrangement="pre", ffn="relu", ffn_mult=1, positions="learned", tied=False,
+                         bias=False, attention="naive")
+    model = M.GPT(config)
+    eye = torch.eye(2)
+    # The handout's head has d_k = 1 and scale 1; the library's single head has width hs = D = 2 and
+    # scale 1/sqrt(2). So the handout's query/key feature is the first of two (the second is fixed
+    # at 0), and W_Q carries a factor sqrt(2) that cancels the library's scale: s_ij = Q_i K_j.
+    w_q = torch.tensor([[math.sqrt(2), 0.0], [0.0, 0.0]])  # (out, in): q = [sqrt 2 * x_0, 0]
+    w_k = torch.tensor([[math.log(2), 0.0], [0.0, 0.0]])  # k = [log 2 * x_0, 0]
+    values = {
+        "transformer.wte.weight": [[1.0, 0.0], [0.0, 0.5], [0.5, 0.5]],  # E[A], E[B], E[C]
+        "transformer.wpe.weight": [[0.0, 0.0], [0.0, 0.5], [0.5, 0.5]],  # p_0, p_1, p_2
+        "transformer.h.0.attn.c_attn.weight": torch.cat([w_q, w_k, eye]),  # [W_Q; W_K; W_V = I]
+        "transformer.h.0.attn.c_proj.weight": eye,  # W_O = I
+        "transformer.h.0.mlp.c_fc.weight": eye,  # U >= 0, so ReLU(U) = U
+        "transformer.h.0.mlp.c_proj.weight": 0.5 * eye,  # H = U + 0.5 U = 1.5 U
+        "lm_head.weight": [[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]],  # W_vocab^T, stored (V, D)
+    }
+    # GPT's init is random (and rescales c_proj), so every parameter must be overwritten.
+    names = {name for name, _ in model.named_parameters()}
+    assert names == set(values), f"toy trace must set exactly the model's parameters: {names ^ set(values)}"
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(torch.as_tensor(values[name], dtype=param.dtype))
+    return model
+
+
+@_seeded(74)
+def check_trace() -> list[CheckResult]:
+    """§7.4: the stream A B C (targets B C A) from embeddings to the loss 3.02041."""
+    s = "§7.4"
+    model = _toy_trace_model()
+    block = model.transformer.h[0]
+    idx, targets = torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2, 0]])  # A B C -> B C A
+    x = model.embed(idx)  # (1, T=3, D=2)
+    q, k, v = block.attn.project(x)  # each (1, H=1, T, hs=2)
+    retrieved = block.attn(block.ln_1(x))[0]  # (T, D); W_O = I, so this is the retrieval itself
+    u_ref = torch.tensor([[2.0, 0.0], [0.5, 1.5], [1.8, 1.6]], dtype=torch.float64)
+    h_ref = 1.5 * u_ref
+    logits, loss = model(idx, targets)
+    l2 = math.log(2)
+    return [
+        _close(s, "input rows X = E[w] + p", x[0], [[1, 0], [0, 1], [1, 1]], 1e-6),
+        _close(s, "queries Q (first feature / sqrt 2)", q[0, 0, :, 0] / math.sqrt(2), [1, 0, 1], 1e-6),
+        _close(s, "keys K (first feature)", k[0, 0, :, 0], [l2, 0, l2], 1e-6, "[log 2, 0, log 2]"),
+        _close(s, "unused second query/key feature", torch.cat([q[..., 1], k[..., 1]]), torch.zeros(2, 1, 3),
+               0.0, "all 0"),
+        _close(s, "values V = X", v[0, 0], [[1, 0], [0, 1], [1, 1]], 1e-6),
+        _close(s, "raw scores S (future entries exist)", M.attention_scores(q, k)[0, 0],
+               [[l2, 0, l2], [0, 0, 0], [l2, 0, l2]], 1e-6, "Q K^T = [[log 2, 0, log 2], [0, 0, 0], ...]"),
+        _close(s, "masked weights", block.attn.attention_weights(x)[0, 0],
+               [[1, 0, 0], [0.5, 0.5, 0], [0.4, 0.2, 0.4]], 1e-6,
+               "[[1, 0, 0], [1/2, 1/2, 0], [2/5, 1/5, 2/5]]"),
+        _close(s, "row 2 retrieves", retrieved[2], [0.8, 0.6], 1e-6),
+        _close(s, "U = X + attention", x[0] + retrieved, u_ref, 1e-6),
+        _close(s, "H = block output = 1.5 U", block(x)[0], h_ref, 1e-6),
+        _close(s, "logits [h0, h1, -h0 - h1]", logits[0], torch.stack([h_ref[:, 0], h_ref[:, 1],
+                                                                      -h_ref.sum(-1)], dim=-1), 1e-6),
+        _close(s, "mean next-token loss (nats)", loss, torch.tensor(3.0204103, dtype=torch.float64), 1e-5,
+               "3.02041 (exactly 3.0204103)"),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# §8: the same function written other ways
+
+
+@_seeded(81)
+def check_einsum() -> list[CheckResult]:
+    """§8.1: the einsum formulation with named axes equals the library's matmul attention."""
+    s = "§8.1"
+    results = []
+    for axes, shape in (("b", (2,)), ("bh", (2, 3))):  # 3-D batches and 4-D head tensors
+        q, k = torch.randn(*shape, 5, 4), torch.randn(*shape, 6, 4)  # (..., Tq, d), (..., Tk, d)
+        v = torch.randn(*shape, 6, 3)  # (..., Tk, e)
+        scores = torch.einsum(f"{axes}id,{axes}jd->{axes}ij", q, k) / math.sqrt(q.size(-1))
+        weights = scores.softmax(dim=-1)
+        y = torch.einsum(f"{axes}ij,{axes}je->{axes}ie", weights, v)
+        got_y, got_weights = M.attention(q, k, v)
+        results.append(_close(s, f"einsum weights equal attention's ({len(shape) + 2}-D)", got_weights,
+                              weights, 1e-6, f"einsum '{axes}id,{axes}jd->{axes}ij' then softmax"))
+        results.append(_close(s, f"einsum output equals attention's ({len(shape) + 2}-D)", got_y, y, 1e-6,
+                              f"einsum '{axes}ij,{axes}je->{axes}ie'"))
+    return results
+
+
+@_seeded(8)
+def check_kernels() -> list[CheckResult]:
+    """§8: the fused sdpa kernel computes the same function as the written-out naive kernel."""
+    idx = torch.randint(0, 16, (2, 8))  # (B, T)
+    results = []
+    for causal in (True, False):
+        naive = _random_gpt(80, attention="naive", causal=causal)(idx)[0]
+        fused = _random_gpt(80, attention="sdpa", causal=causal)(idx)[0]
+        results.append(_close("§8", f"naive and sdpa kernels agree ({'causal' if causal else 'unmasked'})",
+                              fused, naive, 1e-5, "the naive kernel's logits"))
+    return results
+
+
+CHECKS: list[Check] = [
+    check_retrieval,
+    check_scaling,
+    check_batching,
+    check_head_parameters,
+    check_two_heads,
+    check_fused_projection,
+    check_block_parts,
+    check_permutation,
+    check_parameter_sharing,
+    check_causality,
+    check_trace,
+    check_einsum,
+    check_kernels,
+]
+
+
+def run_lab() -> list[CheckResult]:
+    """Run every check, in handout order; each is seeded on its own, so the order does not matter."""
+    return [result for check in CHECKS for result in check()]

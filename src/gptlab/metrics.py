@@ -1,0 +1,62 @@
+"""Per-run metrics: a CSV row per evaluation and the loss-curve picture drawn from it."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+COLUMNS = ("step", "train_loss", "val_loss", "val_perplexity", "val_bits_per_char", "lr", "tokens_per_s",
+           "elapsed_s")
+
+
+class MetricsLog:
+    """Appends evaluation rows to `metrics.csv`; on resume, forgets rows after the resumed step."""
+
+    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+        self.path = path
+        rows = []
+        if resume_step is not None and path.exists():
+            rows = [row for row in self.read() if int(row["step"]) <= resume_step]
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def append(self, **values: float) -> None:
+        with self.path.open("a", newline="") as f:
+            csv.DictWriter(f, fieldnames=COLUMNS).writerow({k: values.get(k, "") for k in COLUMNS})
+
+    def read(self) -> list[dict[str, str]]:
+        with self.path.open(newline="") as f:
+            return list(csv.DictReader(f))
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped so a diverged loss prints as inf rather than raising."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def plot_losses(metrics_csv: Path, png: Path, title: str) -> None:
+    """Draw train and validation loss against step into `png` (headless, matplotlib's Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with metrics_csv.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(r["step"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    for column, label in (("train_loss", "train"), ("val_loss", "validation")):
+        ax.plot(steps, [float(r[column]) for r in rows], marker="o", markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats per token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(png)

@@ -1,0 +1,281 @@
+"""Tokenizers: text <-> token ids, behind one small interface that is saved inside every checkpoint.
+
+Four kinds, from the simplest to GPT-2's own:
+- `char`: one id per distinct character of the training text (nanoGPT's shakespeare_char);
+- `byte`: the 256 UTF-8 byte values, so any text can be encoded;
+- `bpe`: byte-level BPE trained on the corpus with Hugging Face `tokenizers` (GPT-2's scheme, our merges);
+- `gpt2`: GPT-2's own 50257-token encoding through `tiktoken`, when its files are cached locally.
+
+`to_dict()` gives a JSON-serialisable dict that `tokenizer_from_dict` turns back into the same
+tokenizer, so a checkpoint decodes its samples without the corpus it was trained on.
+
+Deliberate choices:
+- Decoding never fails on a cut multi-byte character (a sample may end mid-character): the byte-level
+  kinds replace incomplete bytes with U+FFFD.
+- The end-of-text token "<|endoftext|>" written literally in a text is encoded as the eot id, as
+  tiktoken does when the special token is allowed, so documents can be separated in a corpus file.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+TOKENIZERS = ("char", "byte", "bpe", "gpt2")
+EOT = "<|endoftext|>"
+DEFAULT_BPE_VOCAB = 4096
+MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-text token
+PIECE_CHARS = 1 << 16  # texts are encoded in pieces of about this many characters
+
+# GPT-2's split pattern (used by bpe and gpt2) ends every word, number or punctuation run before a
+# line break, and a whitespace run that starts with a line break takes nothing from before it; so
+# cutting a text just before a line break that follows a non-space leaves every encoding unchanged.
+# (Cutting *after* a line break would not: "\n\nDIANA" splits as "\n", "\n", "DIANA", but a piece
+# ending in "\n\n" keeps the run whole.)
+_SAFE_CUT = re.compile(r"(?<=\S)\n")
+
+
+class Tokenizer(abc.ABC):
+    """Maps text to token ids and back; `to_dict()` holds everything needed to rebuild it."""
+
+    kind: str
+    vocab_size: int
+    eot_id: int | None
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`."""
+
+    @abc.abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (ids from a sample may end in the middle of a character)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable description, including "kind", that rebuilds this tokenizer exactly."""
+        return {"kind": self.kind}
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """Token ids of `text` as an int64 array (vectorised where the kind allows it)."""
+        return np.asarray(self.encode(text), dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
+
+    def _checked_ids(self, ids: Sequence[int]) -> list[int]:
+        """Plain ints (ids may come as numpy or torch scalars), refusing any outside the vocabulary."""
+        ids = [int(i) for i in ids]
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is outside the {self.kind} vocabulary of size {self.vocab_size}"
+            )
+        return ids
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character; the vocabulary is the sorted set of the training text's characters."""
+
+    kind = "char"
+
+    def __init__(self, chars: str) -> None:
+        if not chars:
+            raise ValueError("the char tokenizer needs at least one character: train it on non-empty text")
+        if len(set(chars)) != len(chars):
+            raise ValueError("the char tokenizer's characters must be distinct")
+        self.chars = chars
+        self.vocab_size = len(chars)
+        self.eot_id = None
+        # Sorted code points let encode_array look every character up at once with searchsorted.
+        codes = self._code_points(chars)
+        self._sorter = np.argsort(codes)
+        self._codes = codes[self._sorter]
+
+    @classmethod
+    def train(cls, text: str) -> CharTokenizer:
+        return cls("".join(sorted(set(text))))
+
+    @staticmethod
+    def _code_points(text: str) -> np.ndarray:
+        # UTF-32 is one 4-byte unit per character; surrogatepass keeps lone surrogates encodable.
+        return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        codes = self._code_points(text)
+        slots = np.minimum(np.searchsorted(self._codes, codes), len(self._codes) - 1)
+        unknown = np.flatnonzero(self._codes[slots] != codes)
+        if unknown.size:
+            pos = int(unknown[0])
+            raise ValueError(
+                f"character {text[pos]!r} at position {pos} is not in the char tokenizer's vocabulary "
+                f"({self.vocab_size} characters of its training text): use the byte or bpe tokenizer, "
+                "which encode any text"
+            )
+        return self._sorter[slots].astype(np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in self._checked_ids(ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "chars": self.chars}
+
+
+class ByteTokenizer(Tokenizer):
+    """The UTF-8 bytes of the text: 256 ids, nothing unknown, nothing to train."""
+
+    kind = "byte"
+
+    def __init__(self) -> None:
+        self.vocab_size = 256
+        self.eot_id = None
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8).astype(np.int64)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8", "surrogatepass"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(self._checked_ids(ids)).decode("utf-8", errors="replace")
+
+
+class BPETokenizer(Tokenizer):
+    """Byte-level BPE (GPT-2's scheme) with merges learnt from the corpus by Hugging Face `tokenizers`."""
+
+    kind = "bpe"
+
+    def __init__(self, hf_json: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self._hf = HFTokenizer.from_str(hf_json)
+        self.vocab_size = self._hf.get_vocab_size()
+        self.eot_id = self._hf.token_to_id(EOT)
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int) -> BPETokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers, trainers
+
+        hf = HFTokenizer(models.BPE())
+        # No prefix space and no post-processor, so decode(encode(s)) gives back s exactly.
+        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        hf.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=2,  # a pair seen once is not worth a token
+            special_tokens=[EOT],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
+            show_progress=False,  # library code does not print
+        )
+        hf.train_from_iterator(text_pieces(text), trainer=trainer)
+        return cls(hf.to_str())
+
+    def encode(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(self._checked_ids(ids), skip_special_tokens=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "json": self._hf.to_str()}
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's own encoding (50257 tokens, eot 50256) through tiktoken, for GPT-2 weights."""
+
+    kind = "gpt2"
+
+    def __init__(self) -> None:
+        self._encoding = _load_gpt2_encoding()
+        self.vocab_size = self._encoding.n_vocab
+        self.eot_id = self._encoding.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self._encoding.encode(text, allowed_special={EOT})
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._encoding.decode(self._checked_ids(ids), errors="replace")
+
+
+def _load_gpt2_encoding() -> Any:
+    """tiktoken's "gpt2" encoding, or a ValueError that says what is missing and how to get it."""
+    try:
+        import tiktoken
+    except ImportError:
+        raise ValueError(
+            "the gpt2 tokenizer needs the tiktoken package: `pip install tiktoken` and run once with "
+            "internet to cache GPT-2's files, or use --tokenizer bpe"
+        ) from None
+    try:
+        return tiktoken.get_encoding("gpt2")
+    # tiktoken downloads the files on first use and fails with whatever the network layer raises
+    # (requests or urllib errors, OSError, a hash-mismatch ValueError), so every failure is caught.
+    except Exception as exc:
+        raise ValueError(
+            f"tiktoken could not load GPT-2's encoding files ({type(exc).__name__}): run once with internet "
+            "to cache them, or set TIKTOKEN_CACHE_DIR to a folder that holds them (tiktoken's default "
+            "cache is data-gym-cache in the temp folder); or use --tokenizer bpe"
+        ) from exc
+
+
+def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """Consecutive pieces of about `size` characters, cut only before a line break that ends a line.
+
+    Encoding the pieces one by one gives the same ids as encoding the whole text for every kind
+    (see _SAFE_CUT), and lets callers show progress and train BPE in parallel.
+    """
+    start = 0
+    while start < len(text):
+        cut = _SAFE_CUT.search(text, start + size) if start + size < len(text) else None
+        end = cut.start() if cut else len(text)
+        yield text[start:end]
+        start = end
+
+
+def check_tokenizer_args(kind: str, vocab_size: int | None) -> None:
+    """Raise a ValueError for an unknown kind or a vocab_size the kind cannot honour (before any work)."""
+    if kind not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {kind!r}: choose one of {', '.join(TOKENIZERS)}")
+    if vocab_size is None:
+        return
+    if kind != "bpe":
+        raise ValueError(
+            f"vocab_size={vocab_size} applies only to the bpe tokenizer; the {kind} tokenizer's "
+            "vocabulary is fixed by its kind or the text: drop vocab_size or use --tokenizer bpe"
+        )
+    if vocab_size < MIN_BPE_VOCAB:
+        raise ValueError(
+            f"bpe vocab_size={vocab_size} is too small: it needs at least {MIN_BPE_VOCAB} "
+            "(256 bytes and the end-of-text token)"
+        )
+
+
+def train_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Tokenizer:
+    """A tokenizer of `kind` for `text`: char and bpe learn their vocabulary from it; byte, gpt2 are fixed."""
+    check_tokenizer_args(kind, vocab_size)
+    if kind == "char":
+        return CharTokenizer.train(text)
+    if kind == "bpe":
+        return BPETokenizer.train(text, vocab_size or DEFAULT_BPE_VOCAB)
+    return ByteTokenizer() if kind == "byte" else GPT2Tokenizer()
+
+
+def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
+    """Rebuild the tokenizer that `Tokenizer.to_dict()` described (for example from a checkpoint)."""
+    kind = d.get("kind") if isinstance(d, dict) else None
+    if kind not in TOKENIZERS:
+        raise ValueError(f"not a saved tokenizer: kind={kind!r} is not one of {', '.join(TOKENIZERS)}")
+    field = {"char": "chars", "bpe": "json"}.get(kind)
+    if field is not None and not isinstance(d.get(field), str):
+        raise ValueError(f"saved {kind} tokenizer lacks its {field!r} string: the tokenizer file is damaged")
+    if kind == "char":
+        return CharTokenizer(d["chars"])
+    if kind == "bpe":
+        return BPETokenizer(d["json"])
+    return ByteTokenizer() if kind == "byte" else GPT2Tokenizer()

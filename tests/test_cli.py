@@ -1,0 +1,62 @@
+"""The command line: thin wiring over the library, one clear line for every user mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gptlab.cli import main
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run `python -m gptlab ARGS` in a fresh process, as a user would."""
+    command = [sys.executable, "-m", "gptlab", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--n-embd", "100", "--n-head", "3"], "n_embd=100 is not divisible by n_head=3"),
+        (["--positions", "rope", "--n-embd", "6", "--n-head", "2"], "needs an even head size"),
+        (["--n-layer", "0"], "n_layer=0 must be positive"),
+    ],
+)
+def test_bad_model_options_give_one_line(
+    args: list[str], message: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["model", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gptlab: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_bad_option_in_a_real_process_has_no_traceback() -> None:
+    result = run_cli("model", "--n-embd", "100", "--n-head", "3")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "gptlab: error: ModelConfig.n_embd=100 is not divisible by n_head=3: "
+        "choose n_embd as a multiple of n_head (for example 99)"
+    ]
+
+
+def test_unknown_choice_is_refused_by_the_parser() -> None:
+    result = run_cli("model", "--norm", "batchnorm")
+    assert result.returncode == 2
+    assert "invalid choice: 'batchnorm'" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_command_prints_the_handout_parameter_count(capsys: pytest.CaptureFixture) -> None:
+    assert main(["model", "--n-embd", "8", "--n-head", "2", "--n-layer", "1", "--no-bias"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()]
+    assert ["attention", "256"] in rows  # §4: 192 + 64
+
+
+def test_help_lists_the_commands() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("lab", "model"):
+        assert command in result.stdout

@@ -1,0 +1,243 @@
+"""Training, checkpoints and sampling on tiny models: behaviour, exact resume, crash safety."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run, save_checkpoint
+from gptlab.config import ModelConfig, TrainConfig
+from gptlab.data import prepare
+from gptlab.generate import generate
+from gptlab.presets import resolve_configs
+from gptlab.train import TrainingDiverged, learning_rate, resume, train
+
+MODEL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
+TRAIN = TrainConfig(batch_size=8, max_steps=40, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_interval=10,
+                    eval_batches=2, device="cpu", precision="float32")
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared character corpus with obvious structure, so a tiny model learns it in 40 steps."""
+    root = tmp_path_factory.mktemp("corpus")
+    lines = [f"{name} sat on the {place}." for name in ("the cat", "a dog", "my bird") for place in
+             ("mat", "rug", "chair", "step")]
+    (root / "text.txt").write_text("\n".join(lines * 60), encoding="utf-8")
+    prepare(str(root / "text.txt"), root / "data", tokenizer="char", progress=False)
+    return root / "data"
+
+
+def test_loss_falls(data_dir: Path, tmp_path: Path) -> None:
+    result = train(tmp_path / "run", data_dir, MODEL, TRAIN, progress=False)
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    first_val = float(rows[1].split(",")[2])
+    assert result.step == 40
+    assert result.best_val_loss < 0.7 * first_val  # from ~ln(vocab) to well below
+    assert (tmp_path / "run" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["model"]["vocab_size"] == len(set((data_dir.parent / "text.txt").read_text()))
+
+
+def test_resume_is_exact(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "whole", data_dir, MODEL, TRAIN, progress=False)
+    half = train(tmp_path / "split", data_dir, MODEL, TRAIN, stop_at=17, progress=False)
+    assert half.step == 17
+    resume(tmp_path / "split", progress=False)
+    whole = load_checkpoint(tmp_path / "whole", prefer=LAST)
+    split = load_checkpoint(tmp_path / "split", prefer=LAST)
+    assert whole.state["step"] == split.state["step"] == 40
+    for name, tensor in whole.model_state.items():
+        assert torch.equal(tensor, split.model_state[name]), name
+    for name, tensor in whole.rng.items():
+        assert torch.equal(tensor, split.rng[name]), name
+
+
+def test_checkpoint_gives_the_same_logits_in_a_fresh_process(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=10), progress=False)
+    model, tokenizer = load_run(tmp_path / "run")
+    idx = torch.tensor([tokenizer.encode("the cat sat on")])
+    expected = model(idx)[0]
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from gptlab.checkpoint import load_run
+        model, tokenizer = load_run({str(tmp_path / "run")!r})
+        logits = model(torch.tensor([tokenizer.encode("the cat sat on")]))[0]
+        torch.save(logits, sys.argv[1])
+    """)
+    out = tmp_path / "logits.pt"
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True, timeout=120)
+    assert torch.equal(torch.load(out), expected)
+
+
+def test_checkpoint_holds_no_pickle_and_ties_stay_tied(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=5), progress=False)
+    with open(tmp_path / "run" / LAST, "rb") as f:
+        header_size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_size))
+    assert header["__metadata__"]["format"] == "gptlab-checkpoint-1"
+    assert "model.lm_head.weight" not in header  # tied: stored once, as the embedding
+    model, _ = load_run(tmp_path / "run")
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(data_dir: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=5), progress=False)
+    before = load_checkpoint(tmp_path / "run", prefer=LAST)
+
+    def crash_midway(tensors: dict, filename: str, metadata: dict) -> None:
+        Path(filename).write_bytes(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr("gptlab.checkpoint.save_file", crash_midway)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(tmp_path / "run" / LAST, before)
+    after = load_checkpoint(tmp_path / "run", prefer=LAST)
+    assert after.state == before.state
+    assert sorted(p.name for p in (tmp_path / "run").glob(".*")) == []  # no temporary file left
+
+
+@pytest.mark.slow
+def test_a_killed_writer_never_damages_the_checkpoint(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", data_dir, MODEL.replace(n_embd=128, n_head=4), TRAIN.replace(max_steps=1),
+          progress=False)
+    script = textwrap.dedent(f"""
+        from gptlab.checkpoint import LAST, load_checkpoint, save_checkpoint
+        checkpoint = load_checkpoint({str(tmp_path / "run")!r}, prefer=LAST)
+        print("ready", flush=True)
+        while True:
+            checkpoint.state["step"] += 1
+            save_checkpoint({str(tmp_path / "run" / LAST)!r}, checkpoint)
+    """)
+    for delay in (0.3, 0.55, 0.8):
+        writer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+        time.sleep(delay)
+        writer.kill()  # SIGKILL: no chance to clean up
+        writer.wait()
+        assert load_checkpoint(tmp_path / "run", prefer=LAST).state["step"] >= 1
+
+
+def test_nan_loss_stops_with_a_clear_message(data_dir: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=20), stop_at=10, progress=False)
+    good = load_checkpoint(tmp_path / "run", prefer=LAST)
+    original = torch.nn.functional.cross_entropy
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", lambda *a, **k: original(*a, **k) * math.nan)
+    with pytest.raises(TrainingDiverged, match="loss became nan at step 10.*last good weights"):
+        resume(tmp_path / "run", progress=False)
+    after = load_checkpoint(tmp_path / "run", prefer=LAST)
+    assert after.state["step"] == 10
+    for name, tensor in good.model_state.items():
+        assert torch.equal(tensor, after.model_state[name])
+
+
+def test_an_existing_run_is_never_overwritten(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=2), progress=False)
+    with pytest.raises(ValueError, match="already holds a run: continue it with --resume"):
+        train(tmp_path / "run", data_dir, MODEL, TRAIN, progress=False)
+
+
+def test_best_checkpoint_has_the_lowest_validation_loss(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN, progress=False)
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]
+    lowest = min(float(row.split(",")[2]) for row in rows)
+    assert load_checkpoint(tmp_path / "run" / BEST).state["best_val_loss"] == pytest.approx(lowest)
+
+
+def test_same_seed_gives_the_same_samples(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=10), progress=False)
+    model, tokenizer = load_run(tmp_path / "run")
+    prompt = torch.tensor([tokenizer.encode("the ")])
+
+    def sample(seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return [int(t) for t in generate(model, prompt, 30, temperature=1.0, generator=generator)]
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_generation_crops_long_prompts_to_the_window(data_dir: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=2), progress=False)
+    model, tokenizer = load_run(tmp_path / "run")
+    long_prompt = torch.tensor([tokenizer.encode("the cat sat on the mat. " * 3)])  # 72 > block_size 16
+    greedy = [int(t) for t in generate(model, long_prompt, 3, temperature=0)]
+    expected = model(long_prompt[:, -16:])[0][0, -1].argmax().item()
+    assert greedy[0] == expected
+
+
+def test_learning_rate_schedule() -> None:
+    config = TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert learning_rate(0, config) == pytest.approx(0.1)
+    assert learning_rate(9, config) == pytest.approx(1.0)
+    assert learning_rate(60, config) == pytest.approx(0.55)  # half way down the cosine
+    assert learning_rate(110, config) == pytest.approx(0.1)
+
+
+def test_configs_layer_preset_toml_and_overrides(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text('preset = "tiny"\n[model]\nn_layer = 3\n[train]\nlr = 0.01\nmax_steps = 7\n')
+    model, train_config = resolve_configs(None, toml, {"n_embd": 48}, {"max_steps": 9})
+    assert (model.n_layer, model.n_embd, model.block_size) == (3, 48, 32)  # toml, override, preset
+    assert (train_config.lr, train_config.max_steps) == (0.01, 9)
+    toml.write_text("[modle]\nn_layer = 3\n")
+    with pytest.raises(ValueError, match="unknown table.*modle"):
+        resolve_configs(None, toml)
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        resolve_configs("huge")
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_and_resume_continues(data_dir: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "gptlab", "train", "--data", str(data_dir), "--out", str(run),
+            "--preset", "tiny", "--max-steps", "100000", "--eval-interval", "1000", "--no-progress",
+            "--device", "cpu"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (run / LAST).exists() and time.time() < deadline:  # the step-0 checkpoint
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted at step" in out and "Traceback" not in err
+    step = load_checkpoint(run, prefer=LAST).state["step"]
+    assert step > 0
+    result = resume(run, stop_at=step + 3, progress=False)
+    assert result.step == step + 3
+
+
+def test_train_command_reports_bad_data_in_one_line(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "gptlab", "train", "--data", str(tmp_path / "missing.txt"),
+                             "--out", str(tmp_path / "run"), "--no-progress"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "missing.txt" in result.stderr
+    assert not (tmp_path / "run" / "data").exists()
+
+
+def test_eval_scores_every_token_once(data_dir: Path, tmp_path: Path) -> None:
+    from gptlab.data import TokenData
+    from gptlab.evaluate import evaluate_tokens
+
+    train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=5), progress=False)
+    model, _ = load_run(tmp_path / "run")
+    tokens = TokenData(data_dir).val[:161]  # 10 windows of 16 and one spare token
+    result = evaluate_tokens(model, tokens, batch_size=3)
+    x = torch.from_numpy(tokens.astype("int64"))
+    _, loss = model(x[:160].view(10, 16), x[1:161].view(10, 16))
+    assert result.tokens == 160
+    assert_close(torch.tensor(result.loss), loss)
