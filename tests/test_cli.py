@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,3 +61,49 @@ def test_help_lists_the_commands() -> None:
     assert result.returncode == 0
     for command in ("lab", "model"):
         assert command in result.stdout
+
+
+def test_prepare_train_eval_sample_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 200, encoding="utf-8")
+    assert main(["prepare", str(text), "--out", str(tmp_path / "data"), "--no-progress"]) == 0
+    assert "char tokenizer with 16 ids" in capsys.readouterr().out
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--data", str(tmp_path / "data"), "--out", str(run),
+                 "--max-steps", "30", "--no-progress", "--samples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "finished at step 30" in out and "best checkpoint on the val split: loss" in out
+    assert "--- sample 1 ---" in out
+    assert main(["eval", str(run), "--data", str(text)]) == 0
+    assert "bits per character" in capsys.readouterr().out
+    assert main(["sample", str(run), "--prompt", "to be", "--temperature", "0", "--max-new-tokens", "5"]) == 0
+    greedy = capsys.readouterr().out
+    assert greedy.startswith("--- sample 1 ---\nto be") and len(greedy.splitlines()[1]) == len("to be") + 5
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["sample", "{run}", "--temperature", "-1"], "--temperature=-1.0 must be >= 0"),
+        (["sample", "{run}", "--top-k", "0"], "--top-k=0 must be at least 1"),
+        (["sample", "{run}", "--prompt", "xyz"], "character 'x'"),
+        (["eval", "{tmp}/nowhere"], "no run folder or checkpoint"),
+        (["prepare", "{tmp}/empty.txt", "--out", "{tmp}/d"], "empty"),
+    ],
+)
+def test_user_mistakes_are_one_line(args: list[str], message: str, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    text = tmp_path / "text.txt"
+    text.write_text("abc abc abc\n" * 100)
+    run = tmp_path / "run"
+    main(["train", "--preset", "tiny", "--data", str(text), "--out", str(run), "--max-steps", "1",
+          "--no-progress", "--samples", "0"])
+    capsys.readouterr()
+    assert main([a.format(run=run, tmp=tmp_path) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gptlab: error: ") and err.count("\n") == 1
+    assert message in err
+    assert not (tmp_path / "d").exists()

@@ -18,6 +18,7 @@ from typing import Any
 from gptlab.config import Config, ModelConfig, TrainConfig
 
 EXIT_USAGE = 2
+EVAL_TOKENS = 2**18  # the final evaluation after training scores at most this many tokens
 
 
 class TqdmHandler(logging.Handler):
@@ -27,6 +28,7 @@ class TqdmHandler(logging.Handler):
         from tqdm.auto import tqdm
 
         tqdm.write(self.format(record), file=sys.stdout)
+        sys.stdout.flush()  # show progress promptly when stdout is a file or a pipe
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Config], title: str,
@@ -102,7 +104,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.tokenizer_vocab_size,
                    val_fraction=args.val_fraction, progress=not args.no_progress)
-    print(f"wrote {args.out}: {meta['train_tokens']:,} train and {meta['val_tokens']:,} validation tokens, "
+    tokens = meta["tokens"]
+    print(f"wrote {args.out}: {tokens['train']:,} train and {tokens['val']:,} validation tokens, "
           f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids")
     return 0
 
@@ -143,38 +146,45 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"\n{state} step {result.step}: best validation loss {result.best_val_loss:.4f}, "
           f"{result.tokens_per_s:,.0f} tokens/s, {result.elapsed_s:.0f} s of training")
     print(f"run folder: {out} (best.safetensors, last.safetensors, metrics.csv, loss.png)")
-    if args.samples and not result.interrupted:
+    if result.interrupted:
+        return 130
+    print(f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
+    if args.samples:
         print_samples(out, "\n", args.samples, max_new_tokens=300, temperature=0.8, top_k=None, seed=0,
                       device="cpu")
-    return 130 if result.interrupted else 0
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Loss, perplexity and bits per character of a checkpoint on a split or any text."""
+    print(evaluation_line(args.run, args.data, args.max_tokens))
+    return 0
+
+
+def evaluation_line(run: str | Path, data: str, max_tokens: int | None) -> str:
+    """Evaluate a run's best checkpoint on `data` (train, val, or any text) and describe the result."""
     import dataclasses as dc
 
     from gptlab.checkpoint import load_checkpoint, load_run
     from gptlab.data import TokenData, load_text
     from gptlab.evaluate import evaluate_tokens
 
-    model, tokenizer = load_run(args.run)
-    if args.data in ("train", "val"):
-        data = TokenData(load_checkpoint(args.run).state["data_dir"])
-        tokens = getattr(data, args.data)
+    model, tokenizer = load_run(run)
+    if data in ("train", "val"):
+        tokens = TokenData(load_checkpoint(run).state["data_dir"]).split(data)
         characters = len(tokens) if tokenizer.kind == "char" else None
-        name = f"the {args.data} split"
+        name = f"{data} split"
     else:
-        text = load_text(args.data)
+        text = load_text(data)
         tokens = tokenizer.encode_array(text)
         characters = len(text)
-        name = args.data
-    result = evaluate_tokens(model, tokens, max_tokens=args.max_tokens)
+        name = data
+    result = evaluate_tokens(model, tokens, max_tokens=max_tokens)
     if characters:  # scale to the characters actually scored
         result = dc.replace(result, characters=round(characters * result.tokens / max(1, len(tokens) - 1)))
     bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
-    print(f"{name}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.3f}{bpc} "
-          f"({result.tokens:,} tokens scored)")
-    return 0
+    return (f"{name}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.3f}{bpc} "
+            f"({result.tokens:,} tokens scored)")
 
 
 def print_samples(run: str | Path, prompt: str, num_samples: int, max_new_tokens: int, temperature: float,
