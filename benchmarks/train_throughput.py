@@ -100,7 +100,7 @@ def transformers_step(size: Size) -> tuple[torch.nn.Module, Callable[[], None]]:
 
     config = GPT2Config(vocab_size=VOCAB, n_positions=size.block_size, n_embd=size.n_embd,
                         n_layer=size.n_layer, n_head=size.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-                        attn_pdrop=0.0)
+                        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, VOCAB, (size.batch_size, size.block_size))

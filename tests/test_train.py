@@ -241,3 +241,33 @@ def test_eval_scores_every_token_once(data_dir: Path, tmp_path: Path) -> None:
     _, loss = model(x[:160].view(10, 16), x[1:161].view(10, 16))
     assert result.tokens == 160
     assert_close(torch.tensor(result.loss), loss)
+
+
+def test_fine_tuning_starts_from_the_checkpoint(data_dir: Path, tmp_path: Path) -> None:
+    from gptlab.cli import main
+
+    train(tmp_path / "base", data_dir, MODEL, TRAIN.replace(max_steps=10), progress=False)
+    text = tmp_path / "new.txt"
+    text.write_text("my bird sat on the rug. the cat sat on the step.\n" * 80)
+    tuned_dir = str(tmp_path / "tuned")
+    args = ["train", "--init-from", str(tmp_path / "base"), "--data", str(text), "--out", tuned_dir,
+            "--max-steps", "3", "--eval-interval", "3", "--batch-size", "4", "--no-progress",
+            "--samples", "0", "--device", "cpu"]
+    assert main([*args, "--stop-at", "0"]) == 0  # only the step-0 evaluation and checkpoint
+    base = load_checkpoint(tmp_path / "base", prefer=LAST)
+    start = load_checkpoint(tmp_path / "tuned", prefer=LAST)
+    assert start.model_config == base.model_config and start.tokenizer == base.tokenizer
+    for name, tensor in base.model_state.items():
+        assert torch.equal(start.model_state[name], tensor), name
+    assert main(["train", "--out", tuned_dir, "--resume", "--no-progress", "--samples", "0"]) == 0
+    tuned = load_checkpoint(tmp_path / "tuned", prefer=LAST)
+    assert tuned.state["step"] == 3
+    embedding = "transformer.wte.weight"
+    assert not torch.equal(tuned.model_state[embedding], base.model_state[embedding])
+
+    other = tmp_path / "other.txt"
+    other.write_text("xyz " * 500)
+    prepare(str(other), tmp_path / "other", progress=False)
+    with pytest.raises(ValueError, match="prepared with another tokenizer"):
+        train(tmp_path / "wrong", tmp_path / "other", MODEL, TRAIN, init_from=tmp_path / "base",
+              progress=False)

@@ -1,8 +1,9 @@
 """Checkpoints: one safetensors file holding everything a run needs, written atomically.
 
-A checkpoint file holds tensors under three prefixes (`model.`, `optim.`, `rng.`) and JSON in the
-safetensors header: the model and train configs, the tokenizer, and the training state (step, best
-validation loss, optimiser hyper-parameters). Nothing needs pickle to load. A run folder holds
+A checkpoint file holds tensors under three prefixes (`model.NAME`, `optim.PARAM/SLOT`, `rng.NAME`)
+and JSON in the safetensors header: the model and train configs, the tokenizer, and the training
+state (step, best validation loss, ...). Nothing needs pickle to load. Weights and optimiser slots
+are full tensors keyed by parameter name, so the file is the same whatever the world size. A run folder holds
 `last.safetensors` (for --resume) and `best.safetensors` (lowest validation loss, for sampling).
 
 Writes go to a temporary file that is fsynced and then renamed over the old one, so a crash or kill
@@ -38,7 +39,7 @@ class Checkpoint:
     model_state: dict[str, torch.Tensor]
     train_config: TrainConfig | None = None
     state: dict[str, Any] = field(default_factory=dict)  # step, best_val_loss, ... (JSON)
-    optimizer_state: dict[str, Any] | None = None
+    optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None  # parameter name -> slot -> tensor
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def build_model(self) -> GPT:
@@ -61,29 +62,11 @@ def model_tensors(model: GPT) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous() for name, tensor in state.items()}
 
 
-def _flatten_optimizer(optimizer_state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[Any]]:
-    tensors = {}
-    for param_id, slots in optimizer_state["state"].items():
-        for slot, value in slots.items():
-            tensors[f"optim.{param_id}.{slot}"] = torch.as_tensor(value).contiguous()
-    return tensors, optimizer_state["param_groups"]
-
-
-def _unflatten_optimizer(tensors: dict[str, torch.Tensor], param_groups: list[Any]) -> dict[str, Any]:
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        _, param_id, slot = key.split(".", 2)
-        state.setdefault(int(param_id), {})[slot] = tensor
-    return {"state": state, "param_groups": param_groups}
-
-
 def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
     """Write `checkpoint` to `path` atomically (temporary file, fsync, rename)."""
     tensors = {f"model.{name}": t for name, t in checkpoint.model_state.items()}
-    param_groups: list[Any] = []
-    if checkpoint.optimizer_state is not None:
-        optim_tensors, param_groups = _flatten_optimizer(checkpoint.optimizer_state)
-        tensors.update(optim_tensors)
+    for param, slots in (checkpoint.optimizer_state or {}).items():
+        tensors.update({f"optim.{param}/{slot}": t.contiguous() for slot, t in slots.items()})
     tensors.update({f"rng.{name}": t.contiguous() for name, t in checkpoint.rng.items()})
     metadata = {
         "format": FORMAT,
@@ -91,7 +74,6 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
         "train_config": json.dumps(checkpoint.train_config.to_dict() if checkpoint.train_config else None),
         "tokenizer": json.dumps(checkpoint.tokenizer),
         "state": json.dumps(checkpoint.state),
-        "optimizer_param_groups": json.dumps(param_groups),
         "has_optimizer": json.dumps(checkpoint.optimizer_state is not None),
     }
     atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
@@ -140,15 +122,18 @@ def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
             metadata = reader.metadata() or {}
             for key in reader.keys():
                 prefix, _, rest = key.partition(".")
-                groups[prefix][rest if prefix != "optim" else key] = reader.get_tensor(key)
+                groups[prefix][rest] = reader.get_tensor(key)
     except Exception as err:  # safetensors raises its own error types for a damaged file
         raise ValueError(f"{file} is not a readable gptlab checkpoint ({err})") from err
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{file} is not a gptlab checkpoint (format {metadata.get('format')!r})")
     train_config = json.loads(metadata["train_config"])
-    optimizer = None
+    optimizer: dict[str, dict[str, torch.Tensor]] | None = None
     if json.loads(metadata["has_optimizer"]):
-        optimizer = _unflatten_optimizer(groups["optim"], json.loads(metadata["optimizer_param_groups"]))
+        optimizer = {}
+        for key, tensor in groups["optim"].items():
+            param, _, slot = key.rpartition("/")
+            optimizer.setdefault(param, {})[slot] = tensor
     return Checkpoint(
         model_config=ModelConfig.from_dict(json.loads(metadata["model_config"])),
         tokenizer=json.loads(metadata["tokenizer"]),

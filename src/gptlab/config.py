@@ -167,6 +167,7 @@ class ModelConfig(Config):
 
 
 PRECISIONS = ("auto", "float32", "bfloat16")
+PARALLEL = ("ddp", "fsdp")
 
 
 @dataclass
@@ -189,6 +190,8 @@ class TrainConfig(Config):
     precision: str = option("auto", "matmul precision: auto picks bfloat16 where it is faster", PRECISIONS)
     compile: bool = option(False, "wrap the model in torch.compile")
     device: str = option("auto", "cpu, cuda, cuda:N, mps, or auto")
+    parallel: str = option("ddp", "under torchrun: ddp replicates the model, fsdp shards weights, "
+                           "gradients and optimiser state", PARALLEL)
 
     def validate(self) -> None:
         owner = "TrainConfig"
@@ -202,6 +205,7 @@ class TrainConfig(Config):
             eval_batches=self.eval_batches,
         )
         check_choice(owner, "precision", self.precision, PRECISIONS)
+        check_choice(owner, "parallel", self.parallel, PARALLEL)
         for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{owner}.{name}={getattr(self, name)} must not be negative")

@@ -291,24 +291,26 @@ def _write_atomically(path: Path, text: str) -> None:
 def prepare(
     source: str,
     out_dir: str | Path,
-    tokenizer: str = "char",
+    tokenizer: str | Tokenizer = "char",
     vocab_size: int | None = None,
     val_fraction: float = 0.1,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Tokenize `source` (see load_text) into the data folder `out_dir`; return the meta dict written.
 
-    char and bpe tokenizers are trained on the text itself. The split is the one `split_tokens`
+    char and bpe tokenizers are trained on the text itself; a Tokenizer instance (a checkpoint's, for
+    fine-tuning) is used as it is. The split is the one `split_tokens`
     describes. The folder appears complete or not at all: everything is written to a hidden sibling
     folder first, and an earlier preparation in `out_dir` is replaced only once the new one is done.
     """
     if not 0.0 < val_fraction <= 0.5:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 0.5]: for example 0.1")
-    check_tokenizer_args(tokenizer, vocab_size)
+    if isinstance(tokenizer, str):
+        check_tokenizer_args(tokenizer, vocab_size)
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     text = load_text(source)
-    tok = train_tokenizer(tokenizer, text, vocab_size)
+    tok = tokenizer if isinstance(tokenizer, Tokenizer) else train_tokenizer(tokenizer, text, vocab_size)
     ids = encode_text(tok, text, progress)
     train, val, chunk = split_tokens(ids, val_fraction)
     if len(train) == 0 or len(val) == 0:

@@ -1,50 +1,253 @@
-"""Generation (§7.1): predict from the last position, sample or pick the largest logit, append, repeat.
+"""Generation (§7.1): predict from the last position, choose a token, append it, repeat.
 
-This is the handout's naive loop: every step recomputes the whole (cropped) prefix.
+The handout's loop recomputes the growing prefix at every step. In a causal model appending a token
+leaves every earlier position unchanged (§7.1, the sequel's KV cache), so with `use_cache=True` the
+prompt runs once (the prefill) into a `KVCache` allocated once per run, and every later step runs
+one position per row. `use_cache=False` is the naive loop, kept as the reference: every step starts
+from an empty cache and recomputes everything the newest token can depend on. Both loops take the
+context window from `window_start`, so they compute the same function; the tests hold their tokens
+equal for 200 steps and their logits to 1e-5.
+
+The context window (W = block_size) once a generation outgrows it:
+- Prompts longer than W keep their last W tokens.
+- `rope`, `none`, `sinusoidal`: a sliding window. Every query attends to the keys of the last W
+  positions (a band mask) at absolute positions, and the cache is a ring of W slots. This is not
+  the same as recomputing the last W tokens alone: in a deeper layer the kept keys were computed when
+  older tokens were still visible, so a token's influence reaches L (W - 1) positions back. The
+  naive loop therefore recomputes, under the same band mask, the last L (W - 1) + 1 tokens.
+- `learned`: there is no row for position W, so when a row's window is full it restarts from the
+  row's last W // 2 tokens, renumbered from position 0, which are run again (a re-prefill); the
+  amortised cost is one W/2-token prefill per W/2 steps. The naive loop starts at the same token.
+
+Batches of prompts of different lengths are left-padded; padding is masked out and every row's
+positions count from its own first token, so each row gets the tokens it would get alone. Sampling:
+temperature 0 is greedy; otherwise softmax(logits / temperature), restricted to the top-k tokens and
+then to the smallest set of tokens whose probability reaches top-p, renormalised. Generation stops
+at the tokenizer's end-of-text token, at a stop string (which is never shown, not even its start
+while streaming), or after max_new_tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from gptlab.model import GPT
+from gptlab.config import ModelConfig
+from gptlab.model import GPT, KVCache
+from gptlab.tokenizer import Tokenizer
 
 
-def check_sampling(temperature: float, top_k: int | None, max_new_tokens: int) -> None:
+def check_sampling(temperature: float, top_k: int | None, max_new_tokens: int, top_p: float = 1.0) -> None:
     """Refuse sampling settings that have no meaning, naming the option and its valid range."""
-    if temperature < 0:
+    if not temperature >= 0:
         raise ValueError(f"--temperature={temperature} must be >= 0 (0 means greedy)")
     if top_k is not None and top_k < 1:
         raise ValueError(f"--top-k={top_k} must be at least 1")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"--top-p={top_p} must be in (0, 1] (1 keeps every token)")
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens={max_new_tokens} must not be negative")
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
-               generator: torch.Generator | None) -> torch.Tensor:
-    """Choose one token per row from logits (B, V): greedy at temperature 0, else sample."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-    logits = logits / temperature
+def token_probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                        top_p: float = 1.0) -> torch.Tensor:
+    """The distribution sampling draws from, (B, V): softmax(logits / temperature), then top-k, then top-p."""
+    logits = logits.float() / temperature  # (B, V)
     if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits.float(), dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator)  # (B, 1)
+        kept = torch.zeros_like(logits, dtype=torch.bool)
+        kept.scatter_(-1, logits.topk(top_k, dim=-1).indices, True)  # exactly k tokens, even with ties
+        logits = logits.masked_fill(~kept, float("-inf"))
+    if top_p < 1:
+        probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)  # (B, V), most likely first
+        before = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than each one
+        # A token is dropped when the more likely ones already reach top_p: what stays is the
+        # smallest set whose probability reaches it (for the first token `before` is exactly 0).
+        dropped = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, before >= top_p)
+        logits = logits.masked_fill(dropped, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+               generator: torch.Generator | None = None, top_p: float = 1.0) -> torch.Tensor:
+    """Choose one token per row from logits (B, V): the largest at temperature 0, else a sample, (B, 1)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = token_probabilities(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, num_samples=1, generator=generator)
+
+
+def window_start(config: ModelConfig, start: int, length: int) -> int:
+    """Where a row of `length` tokens, whose window began at `start`, has its window now (both loops).
+
+    Only learned positions move it: to the last block_size // 2 tokens once the window overflows.
+    The other schemes keep absolute positions and slide with a band mask instead (module docstring).
+    """
+    if config.positions == "learned" and length - start > config.block_size:
+        return length - max(1, config.block_size // 2)
+    return start
+
+
+def prompt_rows(prompts: torch.Tensor | Sequence[Sequence[int]], block_size: int) -> list[list[int]]:
+    """Token ids of each prompt, (B, T) or lists of any lengths, keeping each one's last block_size."""
+    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [[int(t) for t in p] for p in prompts]
+    if not rows or not all(rows):
+        raise ValueError("every prompt needs at least one token: give a non-empty prompt")
+    return [row[-block_size:] for row in rows]
+
+
+class Decoder:
+    """Rows of token ids that grow by one token per step, and the model's next-token logits for them.
+
+    With a cache the model sees each token once: a prefill of every row's window (repeated when a
+    window moves), then the newest token of each row. Without one every step starts from scratch.
+    """
+
+    def __init__(self, model: GPT, rows: Sequence[Sequence[int]], use_cache: bool = True) -> None:
+        if not model.config.causal:
+            raise ValueError("generation needs a causal model: causal=False is only for demonstrations")
+        self.model, self.config = model, model.config
+        self.rows = [list(row) for row in rows]
+        self.starts = [0] * len(self.rows)  # the first token of each row's window
+        weight = next(model.parameters())
+        self.device, self.dtype = weight.device, weight.dtype
+        self.cache = self._new_cache(self.config.block_size) if use_cache else None
+        self.prefilled = False  # whether the cache holds every token but the newest of each row
+        self.latest: torch.Tensor | None = None  # the logits for the rows as they are, once computed
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Add one token (B, 1) to every row (after `logits`: the cache takes one new token per step)."""
+        assert self.latest is not None or not self.prefilled, "call logits() before appending another token"
+        for row, token in zip(self.rows, tokens.flatten().tolist(), strict=True):
+            row.append(token)
+        self.latest = None
+
+    @torch.no_grad()
+    def logits(self) -> torch.Tensor:
+        """The logits (B, V) of the token after each row's newest one (computed once per step)."""
+        if self.latest is None:
+            windows = zip(self.starts, self.rows, strict=True)
+            starts = [window_start(self.config, start, len(row)) for start, row in windows]
+            self.latest = self._recompute(starts) if self.cache is None else self._step(self.cache, starts)
+        return self.latest
+
+    def _step(self, cache: KVCache, starts: list[int]) -> torch.Tensor:
+        """The cached step: the newest token of every row, or a prefill of every window when one moved."""
+        if starts != self.starts or not self.prefilled:
+            self.starts, self.prefilled = starts, True
+            idx, pad = self._left_padded([row[s:] for row, s in zip(self.rows, starts, strict=True)])
+            cache.reset(pad)
+        else:
+            idx = torch.tensor([row[-1:] for row in self.rows], device=self.device)  # (B, 1)
+        return self.model(idx, cache=cache, last_only=True)[0][:, -1]
+
+    def _recompute(self, starts: list[int]) -> torch.Tensor:
+        """The naive step: a new, empty cache and every token the newest one can depend on, run at once."""
+        self.starts = starts
+        reach = self.config.n_layer * (self.config.block_size - 1) + 1  # the band's reach through L layers
+        firsts = [max(s, len(row) - reach) for row, s in zip(self.rows, starts, strict=True)]
+        idx, pad = self._left_padded([row[f:] for row, f in zip(self.rows, firsts, strict=True)])
+        cache = self._new_cache(idx.size(1))
+        positions = [f - s for f, s in zip(firsts, starts, strict=True)]  # of each row's first token
+        cache.reset(pad, torch.tensor(positions, device=self.device))
+        return self.model(idx, cache=cache, last_only=True)[0][:, -1]
+
+    def _new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.config, len(self.rows), capacity, device=self.device, dtype=self.dtype)
+
+    def _left_padded(self, windows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids (B, T) with each window at the right end, and the padding of each row (B,)."""
+        width = max(len(w) for w in windows)
+        idx = torch.tensor([[0] * (width - len(w)) + w for w in windows], device=self.device)  # (B, T)
+        pad = torch.tensor([width - len(w) for w in windows], device=self.device)  # (B,)
+        return idx, pad
 
 
 @torch.no_grad()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> Iterator[torch.Tensor]:
-    """Yield the next token ids (B, 1) one step at a time, continuing the prompts idx (B, T)."""
-    check_sampling(temperature, top_k, max_new_tokens)
+def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int,
+             temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None, *,
+             top_p: float = 1.0, eot_id: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+    """Yield the next token of every prompt, (B, 1), one step at a time, as soon as it is chosen.
+
+    `prompts` is a (B, T) tensor or a list of token lists of any lengths. A row that has produced
+    `eot_id` keeps yielding it; the generation ends when every row has, or after max_new_tokens.
+    """
+    check_sampling(temperature, top_k, max_new_tokens, top_p)
     model.eval()
-    block = model.config.block_size
+    decoder = Decoder(model, prompt_rows(prompts, model.config.block_size), use_cache)
+    finished = torch.zeros(len(decoder.rows), 1, dtype=torch.bool, device=decoder.device)
     for _ in range(max_new_tokens):
-        context = idx[:, -block:]  # the window the model can see
-        logits, _ = model(context)
-        token = next_token(logits[:, -1, :], temperature, top_k, generator)
-        idx = torch.cat([idx, token], dim=1)
+        token = next_token(decoder.logits(), temperature, top_k, generator, top_p)  # (B, 1)
+        if eot_id is not None:
+            token = token.masked_fill(finished, eot_id)
+            finished |= token == eot_id
+        decoder.append(token)
         yield token
+        if eot_id is not None and bool(finished.all()):
+            return
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One step of a text stream: the token chosen and the text that became safe to show.
+
+    The stream ends with one chunk whose token is None: it carries the text held back until then and
+    the stop reason: "eot" (end-of-text token), "stop" (a stop string) or "length" (max_new_tokens).
+    """
+
+    text: str
+    token: int | None = None
+    stop_reason: str | None = None
+
+
+def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
+                top_k: int | None = None, generator: torch.Generator | None = None, *, top_p: float = 1.0,
+                stop: Sequence[str] = (), use_cache: bool = True) -> Iterator[Chunk]:
+    """Continue `prompt`, yielding each token with the text that can no longer become a stop string.
+
+    The settings are checked at once, before the first chunk is asked for.
+    """
+    check_sampling(temperature, top_k, max_new_tokens, top_p)
+    if not all(stop):
+        raise ValueError("--stop strings must not be empty")
+    prompt_ids = tokenizer.encode(prompt)
+    if not prompt_ids:
+        raise ValueError("the prompt encodes to no tokens: give a non-empty --prompt")
+    tokens = generate(model, [prompt_ids], max_new_tokens, temperature, top_k, generator, top_p=top_p,
+                      eot_id=tokenizer.eot_id, use_cache=use_cache)
+    return text_chunks(tokens, tokenizer, stop)
+
+
+def text_chunks(
+    tokens: Iterator[torch.Tensor], tokenizer: Tokenizer, stop: Sequence[str]
+) -> Iterator[Chunk]:
+    """The chunks of stream_text: decode, find stop strings, hold back what may still change."""
+    ids: list[int] = []
+    text, shown, reason = "", 0, "length"
+    for token in tokens:
+        ids.append(int(token))
+        if ids[-1] == tokenizer.eot_id:
+            reason = "eot"
+        else:
+            text = tokenizer.decode(ids)
+            # Shown text is final, so a stop string can only begin at or after `shown`.
+            found = [i for i in (text.find(s, shown) for s in stop) if i >= 0]
+            if found:
+                text, reason = text[: min(found)], "stop"
+        if reason != "length":
+            yield Chunk("", ids[-1])
+            break
+        safe = len(text) - held_back(text, stop)
+        yield Chunk(text[shown:safe], ids[-1])
+        shown = safe
+    yield Chunk(text[shown:], None, reason)
+
+
+def held_back(text: str, stop: Sequence[str]) -> int:
+    """How many final characters of `text` may still change: a cut character, or a stop string's start."""
+    held = len(text) - len(text.rstrip("\ufffd"))  # byte-level tokenizers decode a cut character as U+FFFD
+    for s in stop:
+        starts = (k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k]))
+        held = max(held, next(starts, 0))
+    return held

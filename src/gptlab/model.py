@@ -14,6 +14,8 @@ Deliberate choices:
 - GELU is the tanh approximation, as in GPT-2, so GPT-2 weights give GPT-2's logits.
 - RoPE rotates the feature pairs (i, i + hs/2) of each head (the "rotate half" layout).
 - Post-norm models end with the last block's norm, so they have no extra final norm.
+- Position schemes take explicit positions (default 0..T-1), so generation can continue a sequence
+  from a KV cache (§7.1, handout #12) at any offset; `KVCache` documents the mask it builds.
 """
 
 from __future__ import annotations
@@ -81,8 +83,30 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], to
     "sdpa": sdpa_kernel,
 }
 
+
+def naive_masked_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The naive kernel under a given boolean mask (True = visible), as a KV cache supplies it."""
+    return attention(q, k, v, mask)[0]
+
+
+def sdpa_masked_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The fused kernel under a given boolean mask (True = visible)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+MaskedKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MASKED_KERNELS: dict[str, MaskedKernel] = {
+    "naive": naive_masked_kernel,
+    "sdpa": sdpa_masked_kernel,
+}
+
 # ---------------------------------------------------------------------------------------------
-# §6: position information. Each scheme maps token rows (B, T, D) to input rows X = E[w] + p.
+# §6: position information. Each scheme maps token rows (B, T, D) and their positions (B or 1, T)
+# to input rows X = E[w] + p.
 
 
 class LearnedPositions(nn.Embedding):
@@ -91,34 +115,47 @@ class LearnedPositions(nn.Embedding):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config.block_size, config.n_embd)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
-        return x + self.weight[: x.size(1)]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        return x + super().forward(positions)  # rows p_i, (B or 1, T, D)
 
 
 class SinusoidalPositions(nn.Module):
-    """Fixed rows: even features sin(i w_k), odd features cos(i w_k), w_k = base^(-2k/D); no parameters."""
+    """Fixed rows: even features sin(i w_k), odd features cos(i w_k), w_k = base^(-2k/D); no parameters.
+
+    Rows are computed for any position, since a sliding-window generation goes past block_size.
+    """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        d = config.n_embd
-        position = torch.arange(config.block_size, dtype=torch.float32).unsqueeze(1)  # (T_max, 1)
+        d = self.n_embd = config.n_embd
+        self.block_size = config.block_size
         freqs = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)
-        table = torch.zeros(config.block_size, d)
-        table[:, 0::2] = torch.sin(position * freqs)  # (T_max, ceil(D/2))
-        table[:, 1::2] = torch.cos(position * freqs[: d // 2])  # (T_max, floor(D/2))
-        self.register_buffer("table", table, persistent=False)  # derived, so not saved
+        self.register_buffer("freqs", freqs, persistent=False)  # (ceil(D/2),), derived, so not saved
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
-        return x + self.table[: x.size(1)]
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows p_i of positions (..., T) -> (..., T, D)."""
+        angles = positions.unsqueeze(-1).float() * self.freqs.float()  # (..., T, ceil(D/2))
+        rows = angles.new_zeros(*positions.shape, self.n_embd)
+        rows[..., 0::2] = angles.sin()
+        rows[..., 1::2] = angles[..., : self.n_embd // 2].cos()  # (..., T, floor(D/2))
+        return rows.to(self.freqs.dtype)  # angles in float32, rows in the model's dtype
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The handout's table: rows of positions 0 .. block_size - 1, (T_max, D)."""
+        return self.rows(torch.arange(self.block_size, device=self.freqs.device))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+        return x + self.rows(positions)
 
 
 class NoPositions(nn.Module):
-    """No absolute position rows: used by `none` and by `rope`, which acts inside attention."""
+    """No position information: the input rows of `none` and `rope`, and the queries/keys of all but rope."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return x
 
 
@@ -137,12 +174,16 @@ class Rotary(nn.Module):
         super().__init__()
         hs = config.head_size
         inv_freq = config.rope_base ** (-torch.arange(0, hs, 2, dtype=torch.float32) / hs)  # (hs/2,)
-        angles = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", angles.cos(), persistent=False)  # (T_max, hs/2)
-        self.register_buffer("sin", angles.sin(), persistent=False)  # (T_max, hs/2)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # derived, so not saved
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, H, T, hs) -> (B, H, T, hs)
-        cos, sin = self.cos[: x.size(-2)], self.sin[: x.size(-2)]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate queries or keys (B, H, T, hs) at positions (B or 1, T), by default 0 .. T-1."""
+        if positions is None:
+            positions = torch.arange(x.size(-2), device=x.device).unsqueeze(0)  # (1, T)
+        angles = positions.unsqueeze(-1).float() * self.inv_freq.float()  # (B or 1, T, hs/2), in float32
+        angles = angles.unsqueeze(1)  # (B or 1, 1, T, hs/2): the same for every head
+        dtype = torch.result_type(x, self.inv_freq)  # float32 under autocast, else the model's dtype
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, hs/2)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
@@ -186,33 +227,118 @@ class GatedMLP(nn.Module):
 FFNS: dict[str, type[nn.Module]] = {"gelu": MLP, "relu": MLP, "swiglu": GatedMLP}
 
 # ---------------------------------------------------------------------------------------------
+# §7.1 and handout #12: in a causal model appending a token leaves earlier positions unchanged, so
+# generation can keep every layer's keys and values and compute only the new positions.
+
+EMPTY = torch.iinfo(torch.long).max  # the position of an unused slot: after every query, so never seen
+
+
+class KVCache:
+    """Every layer's keys and values of the tokens fed so far, allocated once for a generation run.
+
+    A forward pass with a cache takes only the new tokens. `advance` gives them their slots and
+    positions (continuing from the tokens already held) and builds their queries' mask; each layer
+    then stores its new keys and values with `update` and attends over all the held ones.
+    - Slots fill in order and wrap around (a ring) once `capacity` tokens have been fed; a chunk of
+      several tokens must not wrap, or it would overwrite keys its own queries need.
+    - Each slot remembers its token's position and whether it is real or left padding. A query at
+      position p sees the real keys at positions p - block_size < j <= p: the causal mask of §7.3,
+      limited to the context window (a band). With capacity = block_size a wrapped ring only ever
+      overwrites a key that just left every later query's window.
+    - Row b's next tokens after `reset(pad, first)` are pad[b] padding tokens, then real tokens at
+      positions first[b], first[b] + 1, ...; padding takes the position of the first real token and
+      may see anything (its outputs are never used), so no query row is empty.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, capacity: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        self.capacity = capacity or config.block_size
+        self.window = config.block_size
+        shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.head_size)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, H, S, hs)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, H, S, hs)
+        self.slot_positions = torch.full((batch_size, self.capacity), EMPTY, device=device)  # (B, S)
+        self.slot_real = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)  # (B, S)
+        self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
+        self.first = torch.zeros_like(self.pad)  # (B,)
+        self.fed = 0  # tokens fed since the last reset, padding included
+        self.slots = slice(0, 0)  # the slots of the tokens being fed
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # theirs, (B, T)
+        self.mask = torch.zeros(batch_size, 1, 0, 0, dtype=torch.bool, device=device)  # (B, 1, T, S)
+
+    def reset(self, pad: torch.Tensor, first: torch.Tensor | None = None) -> None:
+        """Forget every token, keeping the memory; see the class docstring for `pad` and `first` (B,)."""
+        self.pad = pad
+        self.first = torch.zeros_like(pad) if first is None else first
+        self.fed = 0
+        self.slot_positions.fill_(EMPTY)
+        self.slot_real.fill_(False)
+
+    def advance(self, n_new: int) -> torch.Tensor:
+        """Take the next n_new tokens: their positions (B, T), and their queries' mask in `self.mask`."""
+        start = self.fed % self.capacity
+        assert n_new == 1 or self.fed + n_new <= self.capacity, "a chunk of tokens may not wrap the ring"
+        column = self.fed + torch.arange(n_new, device=self.pad.device)  # tokens since the reset, (T,)
+        real = column >= self.pad[:, None]  # (B, T)
+        self.positions = self.first[:, None] + (column - self.pad[:, None]).clamp(min=0)  # (B, T)
+        self.slots = slice(start, start + n_new)
+        self.slot_positions[:, self.slots] = self.positions
+        self.slot_real[:, self.slots] = real
+        self.fed += n_new
+        used = min(self.fed, self.capacity)
+        keys_at = self.slot_positions[:, None, :used]  # (B, 1, S)
+        queries_at = self.positions[:, :, None]  # (B, T, 1)
+        visible = (keys_at <= queries_at) & (keys_at > queries_at - self.window)  # (B, T, S)
+        visible &= self.slot_real[:, None, :used] | ~real[:, :, None]  # real queries skip padding
+        self.mask = visible.unsqueeze(1)  # (B, 1, T, S): the same for every head
+        return self.positions
+
+    def update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store one layer's new keys and values (B, H, T, hs); return all it holds, (B, H, S, hs) each."""
+        self.keys[layer, :, :, self.slots] = keys
+        self.values[layer, :, :, self.slots] = values
+        used = min(self.fed, self.capacity)  # unused slots take no part
+        return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
+
+
+# ---------------------------------------------------------------------------------------------
 # §4: multi-head self-attention with one fused projection W_QKV (D -> 3D) and W_O (D -> D)
 
 
 class CausalSelfAttention(nn.Module):
     """H heads of width hs = D / H, each with its own routing; outputs concatenated, then W_O."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # [W_Q W_K W_V]
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
-        self.rotate = Rotary(config) if config.positions == "rope" else nn.Identity()
+        self.rotate = Rotary(config) if config.positions == "rope" else NoPositions(config)
         self.kernel = KERNELS[config.attention]
+        self.masked_kernel = MASKED_KERNELS[config.attention]
         # Only the lab's demonstrations and encoders switch this off (§7.3).
         self.causal = config.causal
+        self.layer = layer  # which layer of a KVCache is this one's
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of every head, each (B, H, T, hs), as in §4.2."""
         B, T, D = x.shape
         q, k, v = self.c_attn(x).split(D, dim=2)  # 3 x (B, T, D): one matmul, three feature groups
         q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        return self.rotate(q), self.rotate(k), v  # (B, H, T, hs) each
+        return self.rotate(q, positions), self.rotate(k, positions), v  # (B, H, T, hs) each
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:  # (B, T, D) -> same
         B, T, D = x.shape
-        q, k, v = self.project(x)
-        y = self.kernel(q, k, v, self.causal)  # (B, H, T, hs)
+        q, k, v = self.project(x, None if cache is None else cache.positions)
+        if cache is None:
+            y = self.kernel(q, k, v, self.causal)  # (B, H, T, hs)
+        else:  # generation: the new queries against every held key, under the cache's mask
+            keys, values = cache.update(self.layer, k, v)  # (B, H, S, hs) each
+            y = self.masked_kernel(q, keys, values, cache.mask)  # (B, H, T, hs)
         y = y.transpose(1, 2).reshape(B, T, D)  # concatenate the heads' answers: (B, T, D)
         return self.c_proj(y)
 
@@ -230,20 +356,20 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """One Transformer block in the pre-norm or post-norm arrangement."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = NORMS[config.norm](config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = NORMS[config.norm](config)
         self.mlp = FFNS[config.ffn](config)
         self.drop = nn.Dropout(config.dropout)
         self.prenorm = config.arrangement == "pre"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:  # (B, T, D) -> same
         if self.prenorm:  # x + g(LN(x)): an explicit identity path through every update
-            x = x + self.drop(self.attn(self.ln_1(x)))
+            x = x + self.drop(self.attn(self.ln_1(x), cache))
             return x + self.drop(self.mlp(self.ln_2(x)))
-        x = self.ln_1(x + self.drop(self.attn(x)))  # post-norm: LN(x + g(x))
+        x = self.ln_1(x + self.drop(self.attn(x, cache)))  # post-norm: LN(x + g(x))
         return self.ln_2(x + self.drop(self.mlp(x)))
 
 
@@ -262,7 +388,7 @@ class GPT(nn.Module):
                 wte=nn.Embedding(config.vocab_size, config.n_embd),  # E, (V, D)
                 wpe=POSITIONS[config.positions](config),
                 drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
                 ln_f=NORMS[config.norm](config) if config.arrangement == "pre" else nn.Identity(),
             )
         )
@@ -276,32 +402,40 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Input rows X = E[w] + p for token ids (B, T) -> (B, T, D)."""
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Input rows X = E[w] + p for token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
         T = idx.size(1)
-        if T > self.config.block_size:
+        if positions is None and T > self.config.block_size:
             raise ValueError(
                 f"sequence length {T} exceeds block_size={self.config.block_size}: "
                 f"crop the input to its last {self.config.block_size} tokens"
             )
-        x = self.transformer.wpe(self.transformer.wte(idx))  # (B, T, D)
+        if positions is None:
+            positions = torch.arange(T, device=idx.device).unsqueeze(0)  # (1, T)
+        x = self.transformer.wpe(self.transformer.wte(idx), positions)  # (B, T, D)
         return self.transformer.drop(x)
 
-    def forward_embeddings(self, x: torch.Tensor) -> torch.Tensor:
-        """Run the blocks, final norm and vocabulary head on input rows: (B, T, D) -> (B, T, V)."""
+    def forward_embeddings(self, x: torch.Tensor, cache: KVCache | None = None,
+                           last_only: bool = False) -> torch.Tensor:
+        """Run the blocks, final norm and vocabulary head on input rows: (B, T, D) -> (B, T or 1, V)."""
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, cache)
+        if last_only:  # generation needs only the prediction after the last token
+            x = x[:, -1:]  # (B, 1, D)
         return self.lm_head(self.transformer.ln_f(x))
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
+        last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, V) for token ids (B, T), and with targets the mean next-token loss.
 
         `targets[:, i]` is the token that follows `idx[:, i]` (teacher forcing, §7.2); positions
-        whose target is -1 are not scored.
+        whose target is -1 are not scored. With a `cache`, idx holds only the tokens it has not seen
+        yet, and their positions continue the cache's. `last_only` keeps the last position's logits.
         """
-        logits = self.forward_embeddings(self.embed(idx))  # (B, T, V)
+        positions = None if cache is None else cache.advance(idx.size(1))  # (B, T)
+        logits = self.forward_embeddings(self.embed(idx, positions), cache, last_only)  # (B, T, V)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)

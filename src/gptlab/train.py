@@ -4,7 +4,11 @@ AdamW with weight decay on matrices only, linear warm-up then cosine decay, grad
 accumulation, bfloat16 autocast where it is faster. A run folder holds `config.json`,
 `metrics.csv`, `loss.png` and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
 the step and every random state, so N steps in one go and N/2 + resume + N/2 give identical weights.
-Ctrl-C stops at the next step boundary and saves; a second Ctrl-C aborts at once.
+Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once.
+
+Under torchrun every process runs this same loop (see distributed.py): each step draws one global
+batch of `batch_size` windows from the shared sampler and each rank trains on its own slice, so the
+run computes what one process with the whole batch would, and only rank 0 logs and writes files.
 """
 
 from __future__ import annotations
@@ -23,16 +27,9 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from gptlab.checkpoint import (
-    BEST,
-    LAST,
-    Checkpoint,
-    atomic_write,
-    load_checkpoint,
-    model_tensors,
-    save_checkpoint,
-)
-from gptlab.common import autocast, resolve_device, resolve_precision, seed_everything
+from gptlab import distributed
+from gptlab.checkpoint import BEST, LAST, Checkpoint, atomic_write, load_checkpoint, save_checkpoint
+from gptlab.common import autocast, resolve_precision, seed_everything
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data import TokenData
 from gptlab.metrics import MetricsLog, perplexity, plot_losses
@@ -66,7 +63,7 @@ def learning_rate(step: int, config: TrainConfig) -> float:
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - config.min_lr)
 
 
-def make_optimizer(model: GPT, config: TrainConfig) -> torch.optim.AdamW:
+def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on weight matrices and embeddings, none on biases and norm gains."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -99,11 +96,13 @@ def estimate_losses(model: torch.nn.Module, data: TokenData, config: TrainConfig
 
 
 class StopOnInterrupt:
-    """The first Ctrl-C asks the loop to stop at the next step boundary; a second one aborts."""
+    """The first Ctrl-C or SIGTERM asks the loop to stop at the next step boundary; a second aborts."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
@@ -112,42 +111,57 @@ class StopOnInterrupt:
 
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class Trainer:
     """One training run: the model, optimiser, data stream and counters, restorable from a checkpoint."""
 
     def __init__(self, run_dir: Path, data: TokenData, model_config: ModelConfig, train_config: TrainConfig,
-                 checkpoint: Checkpoint | None = None, progress: bool = True) -> None:
-        self.run_dir, self.data, self.progress = run_dir, data, progress
+                 checkpoint: Checkpoint | None = None, progress: bool = True,
+                 init_from: Checkpoint | None = None) -> None:
+        """`checkpoint` resumes a run exactly; `init_from` only supplies starting weights (fine-tuning)."""
+        self.run_dir, self.data = run_dir, data
         self.model_config, self.config = model_config, train_config
-        self.device = resolve_device(train_config.device)
+        self.dist, self.device = distributed.setup(train_config.device)
+        self.progress = progress and self.dist.is_main
+        if train_config.batch_size % self.dist.world_size:
+            raise ValueError(
+                f"batch_size={train_config.batch_size} is not divisible by the {self.dist.world_size} "
+                f"processes: choose a multiple of {self.dist.world_size}"
+            )
+        share = train_config.batch_size // self.dist.world_size
+        self.rows = slice(self.dist.rank * share, (self.dist.rank + 1) * share)  # this rank's windows
         self.dtype = resolve_precision(train_config.precision, self.device, model_config.n_embd)
         seed_everything(train_config.seed)
-        self.model = GPT(model_config).to(self.device)
+        model = GPT(model_config)
+        if (checkpoint or init_from) is not None:
+            model.load_state_dict((checkpoint or init_from).build_model().state_dict())
+        self.model = distributed.wrap(model.to(self.device), train_config.parallel, self.dist, self.device)
         self.optimizer = make_optimizer(self.model, train_config)
         self.batches = torch.Generator().manual_seed(train_config.seed)  # the data sampler's state
         self.step, self.best_val, self.last_val = 0, math.inf, math.nan
         self.train_time, self.tokens_seen = 0.0, 0
         if checkpoint is not None:
             self._restore(checkpoint)
+        if self.dist.rank:  # other ranks draw their own dropout masks
+            torch.manual_seed(train_config.seed + 7919 * self.dist.rank + self.step)
         self.forward_model = torch.compile(self.model) if train_config.compile else self.model
-        self.metrics = MetricsLog(run_dir / "metrics.csv", resume_step=self.step if checkpoint else None)
+        self.metrics = (MetricsLog(run_dir / "metrics.csv", resume_step=self.step if checkpoint else None)
+                        if self.dist.is_main else None)
         self.tokens_per_step = train_config.batch_size * train_config.grad_accum * model_config.block_size
-        log.info(f"{self.model.num_parameters():,} parameters on {self.device} in "
+        log.info(f"{model.num_parameters():,} parameters on {self.device} in "
                  f"{str(self.dtype).removeprefix('torch.')}, {self.tokens_per_step:,} tokens per step, "
-                 f"from step {self.step} to {train_config.max_steps}")
+                 f"{self.dist.world_size} process(es), from step {self.step} to {train_config.max_steps}")
 
     def _restore(self, checkpoint: Checkpoint) -> None:
-        self.model.load_state_dict(checkpoint.build_model().state_dict())
         assert checkpoint.optimizer_state is not None, "a training checkpoint carries its optimiser"
-        self.optimizer.load_state_dict(checkpoint.optimizer_state)
+        distributed.load_optimizer_state(self.model, self.optimizer, checkpoint.optimizer_state)
         state = checkpoint.state
         self.step, self.best_val = state["step"], state["best_val_loss"]
         self.last_val = state["last_val_loss"]
@@ -158,28 +172,37 @@ class Trainer:
             torch.cuda.set_rng_state(checkpoint.rng["cuda"], self.device)
 
     def checkpoint(self) -> Checkpoint:
+        """Everything needed to continue; a collective call under FSDP (every rank must make it)."""
         rng = {"torch": torch.get_rng_state(), "data": self.batches.get_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"step": self.step, "best_val_loss": self.best_val, "last_val_loss": self.last_val,
                  "train_time_s": self.train_time, "tokens_seen": self.tokens_seen,
                  "data_dir": str(self.data.data_dir)}
-        return Checkpoint(self.model_config, self.data.tokenizer.to_dict(), model_tensors(self.model),
-                          self.config, state, self.optimizer.state_dict(), rng)
+        weights = distributed.full_model_state(self.model)
+        if self.model_config.tied:  # stored once, as the embedding
+            del weights["lm_head.weight"]
+        return Checkpoint(self.model_config, self.data.tokenizer.to_dict(), weights, self.config, state,
+                          distributed.full_optimizer_state(self.model, self.optimizer), rng)
 
-    def train_step(self) -> float:
-        """One optimiser step over `grad_accum` micro-batches; returns the mean training loss."""
+    def train_step(self, stop_requested: bool) -> tuple[float, bool]:
+        """One optimiser step over `grad_accum` micro-batches: the mean loss, and whether to stop now."""
         cfg = self.config
         lr = learning_rate(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = 0.0
-        for _ in range(cfg.grad_accum):
+        for micro in range(cfg.grad_accum):
             x, y = self.data.get_batch("train", cfg.batch_size, self.model_config.block_size, self.batches)
-            with autocast(self.device, self.dtype):
-                _, loss = self.forward_model(x.to(self.device), y.to(self.device))
-            (loss / cfg.grad_accum).backward()
+            x, y = x[self.rows].to(self.device), y[self.rows].to(self.device)  # this rank's share
+            with distributed.gradient_sync(self.model, micro == cfg.grad_accum - 1):
+                with autocast(self.device, self.dtype):
+                    _, loss = self.forward_model(x, y)
+                (loss / cfg.grad_accum).backward()
             total += loss.item() / cfg.grad_accum
+        # One small all-reduce: every rank sees the same mean loss and the same decision to stop.
+        total, stops = distributed.all_reduce_sum([total, float(stop_requested)], self.device)
+        total /= self.dist.world_size
         if not math.isfinite(total):
             raise TrainingDiverged(
                 f"the training loss became {total} at step {self.step}; stopped without saving, so "
@@ -190,13 +213,18 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total
+        return total, stops > 0
 
     def evaluate_and_save(self) -> None:
         """Evaluate, append a metrics row, redraw the plot, and save `last` (and `best` if improved)."""
         losses = estimate_losses(self.model, self.data, self.config, self.model_config.block_size,
                                  self.device, self.dtype)
         self.last_val = losses["val"]
+        improved = losses["val"] < self.best_val
+        self.best_val = min(self.best_val, losses["val"])
+        checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
+        if self.metrics is None:
+            return
         bpc = losses["val"] / math.log(2) if self.data.tokenizer.kind == "char" else ""
         self.metrics.append(
             step=self.step, train_loss=losses["train"], val_loss=losses["val"],
@@ -206,9 +234,6 @@ class Trainer:
         )
         log.info(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
                  f"(perplexity {perplexity(losses['val']):.2f})")
-        improved = losses["val"] < self.best_val
-        self.best_val = min(self.best_val, losses["val"])
-        checkpoint = self.checkpoint()
         if improved:
             save_checkpoint(self.run_dir / BEST, checkpoint)
         save_checkpoint(self.run_dir / LAST, checkpoint)
@@ -220,13 +245,14 @@ class Trainer:
     def run(self, stop_at: int | None = None) -> TrainResult:
         """Train until `max_steps` (or `stop_at`), evaluating and saving every `eval_interval` steps."""
         end = min(stop_at, self.config.max_steps) if stop_at is not None else self.config.max_steps
+        stopping = False
         with StopOnInterrupt() as stop, tqdm(total=self.config.max_steps, initial=self.step, unit="step",
                                              disable=not self.progress, dynamic_ncols=True) as bar:
             if self.step == 0:
                 self.evaluate_and_save()  # the untrained baseline, so the curve starts at step 0
-            while self.step < end and not stop.requested:
+            while self.step < end and not stopping:
                 started = time.perf_counter()
-                loss = self.train_step()
+                loss, stopping = self.train_step(stop.requested)
                 self.train_time += time.perf_counter() - started
                 self.tokens_seen += self.tokens_per_step
                 self.step += 1
@@ -234,22 +260,44 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
                 if self.step % self.config.eval_interval == 0 or self.step == end:
                     self.evaluate_and_save()
-            if stop.requested:
+            if stopping:
                 log.info(f"interrupted: saving step {self.step} to {self.run_dir / LAST}")
-                save_checkpoint(self.run_dir / LAST, self.checkpoint())
+                checkpoint = self.checkpoint()
+                if self.dist.is_main:
+                    save_checkpoint(self.run_dir / LAST, checkpoint)
         return TrainResult(self.run_dir, self.step, self.best_val, self.last_val, self.train_time,
-                           self.tokens_per_s(), stop.requested)
+                           self.tokens_per_s(), stopping)
 
 
 def train(run_dir: str | Path, data_dir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
-          *, stop_at: int | None = None, progress: bool = True) -> TrainResult:
-    """Start a new run in `run_dir` on a prepared data folder; vocab_size is taken from its tokenizer."""
+          *, stop_at: int | None = None, progress: bool = True,
+          init_from: str | Path | None = None) -> TrainResult:
+    """Start a new run in `run_dir` on a prepared data folder; vocab_size is taken from its tokenizer.
+
+    With `init_from` (a run folder or checkpoint), the model and its starting weights come from that
+    checkpoint, whose tokenizer the data must have been prepared with: fine-tuning.
+    """
     run_dir = Path(run_dir)
     if (run_dir / LAST).exists():
         raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
     data = TokenData(data_dir)
+    start = load_checkpoint(init_from) if init_from is not None else None
+    if start is not None:
+        if data.tokenizer.to_dict() != start.tokenizer:
+            raise ValueError(f"{data_dir} was prepared with another tokenizer than {init_from}'s: prepare "
+                             "the text through `gptlab train --init-from`, which uses the checkpoint's")
+        model_config = start.model_config
     model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size)
     data.check_window(model_config.block_size)
+    info, _ = distributed.setup(train_config.device)
+    if info.is_main:
+        write_run_config(run_dir, model_config, train_config, data)
+    return Trainer(run_dir, data, model_config, train_config, progress=progress, init_from=start).run(stop_at)
+
+
+def write_run_config(run_dir: Path, model_config: ModelConfig, train_config: TrainConfig,
+                     data: TokenData) -> None:
+    """The resolved settings as readable JSON beside the checkpoints."""
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {
         "model": model_config.to_dict(),
@@ -257,14 +305,15 @@ def train(run_dir: str | Path, data_dir: str | Path, model_config: ModelConfig, 
         "data_dir": str(data.data_dir),
     }
     atomic_write(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(resolved, indent=2) + "\n"))
-    return Trainer(run_dir, data, model_config, train_config, progress=progress).run(stop_at)
 
 
 def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True) -> TrainResult:
     """Continue the run in `run_dir` exactly where its last checkpoint left off."""
     run_dir = Path(run_dir)
     checkpoint = load_checkpoint(run_dir, prefer=LAST)
-    assert checkpoint.train_config is not None, "a training checkpoint carries its train config"
+    if checkpoint.train_config is None or checkpoint.optimizer_state is None:
+        raise ValueError(f"{run_dir} holds weights but no training state (an imported model?): "
+                         "there is nothing to resume; start a new run instead")
     data = TokenData(checkpoint.state["data_dir"])
     trainer = Trainer(run_dir, data, checkpoint.model_config, checkpoint.train_config, checkpoint, progress)
     return trainer.run(stop_at)

@@ -1,0 +1,250 @@
+"""Generation speed on this machine: gptlab's KV-cache decoder against naive recompute, beside the bound.
+
+Batch-1 decoding reads every weight once per new token, so no decoder can beat
+    tokens/s <= memory bandwidth / weight bytes,
+with the bandwidth measured here by a large tensor copy (bytes read + bytes written, per second).
+For each model (random weights, float32, greedy) it prints a markdown table: the first-token latency
+for a prompt of half the window, and the rate of 128, 512 and 1024 new tokens after a one-token
+prompt (n divided by the time until the n-th token, prefill included), beside that bound.
+
+Recompute on the GPT-2-small shape costs seconds per step at long contexts, so its rows are
+estimated: one naive step is timed at a few context lengths and the per-step times, interpolated
+linearly, are summed over the run; those cells are marked with ~. Every other cell is measured.
+
+Each decoder is one function (model, prompt, n_new) -> seconds until each new token.
+
+A second table sets gptlab's cached decoder beside Hugging Face transformers' `generate` (its own
+KV cache, greedy) on the very same weights (converted with `gptlab.convert.to_transformers`): 200
+new tokens after a one-token prompt, batch 1, in the same run. transformers cannot go past its
+`n_positions`, so the demo shape is compared with a 256-token window there. It needs the `hf`
+extra (`pip install 'gptlab[hf]'`); without it the table is skipped.
+
+    python benchmarks/generate.py            # both models (a few minutes on a 2-core CPU)
+    python benchmarks/generate.py --quick    # the demo model only
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gptlab.config import ModelConfig
+from gptlab.generate import Decoder, generate
+from gptlab.model import GPT
+
+LENGTHS = (128, 512, 1024)
+HF_NEW_TOKENS = 200
+Decoding = Callable[[GPT, list[int], int], list[float]]
+
+
+@dataclass(frozen=True)
+class Size:
+    name: str
+    config: ModelConfig
+    estimate_recompute: bool  # time a few naive steps and sum an interpolation, instead of running it
+    repeats: int  # each figure is the best of this many runs (the machine may be shared)
+
+
+SIZES = [
+    Size("demo (4x128, ctx 64, V 84)",
+         ModelConfig(vocab_size=84, block_size=64, n_layer=4, n_head=4, n_embd=128), False, 3),
+    Size("GPT-2 small (12x768, ctx 1024, V 50257)",
+         ModelConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768), True, 2),
+]
+
+
+def copy_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second moved by copying a tensor far larger than any CPU cache (read + write)."""
+    source = torch.rand(megabytes * 2**20 // 4, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy also faults the target's pages in
+        start = time.perf_counter()
+        target.copy_(source)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
+
+
+def product_bandwidth(device: torch.device, transposed: bool, repeats: int = 5) -> float:
+    """Bytes per second a batch-1 product reads of a weight as large as GPT-2's vocabulary head:
+    F.linear on nn.Linear's (out, in) layout, or x @ W on an (in, out) copy (GPT-2's Conv1D)."""
+    weight, x = torch.rand(50257, 768, device=device), torch.rand(1, 768, device=device)
+    stored = weight.t().contiguous() if transposed else weight
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        _ = x @ stored if transposed else torch.nn.functional.linear(x, stored)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return weight.nbytes / best
+
+
+def weight_bytes(model: GPT) -> int:
+    """Bytes of every parameter, a tied embedding/head counted once: what one decoding step reads."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def token_times(tokens: Iterator[torch.Tensor]) -> list[float]:
+    """Seconds from the call until each token of the stream was chosen (the stream starts lazily)."""
+    start = time.perf_counter()
+    return [time.perf_counter() - start for _ in tokens]
+
+
+def gptlab_cached(model: GPT, prompt: list[int], n_new: int) -> list[float]:
+    return token_times(generate(model, [prompt], n_new, temperature=0))
+
+
+def gptlab_recompute(model: GPT, prompt: list[int], n_new: int) -> list[float]:
+    return token_times(generate(model, [prompt], n_new, temperature=0, use_cache=False))
+
+
+DECODERS: dict[str, Decoding] = {"gptlab KV cache": gptlab_cached, "gptlab recompute": gptlab_recompute}
+
+
+def estimated_recompute(model: GPT, prompt: list[int], n_new: int, points: int = 7) -> list[float]:
+    """Recompute's token times from one timed naive step at `points` context lengths, interpolated.
+
+    Step i runs the model on len(prompt) + i tokens, so the run must stay inside the window.
+    """
+    last = len(prompt) + n_new - 1
+    assert last <= model.config.block_size, "the estimate assumes the window never moves"
+    contexts = np.unique(np.linspace(len(prompt), last, points).astype(int))
+    step_seconds = []
+    for context in contexts:
+        decoder = Decoder(model, [[0] * int(context)], use_cache=False)
+        start = time.perf_counter()
+        decoder.logits()
+        step_seconds.append(time.perf_counter() - start)
+    every_step = np.interp(np.arange(len(prompt), len(prompt) + n_new), contexts, step_seconds)
+    return np.cumsum(every_step).tolist()
+
+
+def best_of(repeats: int, decoding: Decoding, model: GPT, prompt: list[int], n_new: int) -> np.ndarray:
+    """For every n, the shortest time until the n-th token over `repeats` runs."""
+    return np.min([decoding(model, prompt, n_new) for _ in range(repeats)], axis=0)
+
+
+def rows_for(size: Size, bandwidths: tuple[float, float], device: torch.device) -> list[str]:
+    """The table rows of one model: one per decoder, then the cache's speedup."""
+    torch.manual_seed(0)
+    model = GPT(size.config).to(device).eval()
+    bound, linear_bound = (bandwidth / weight_bytes(model) for bandwidth in bandwidths)  # tokens/s
+    prompt = [0] * (size.config.block_size // 2)
+    rates: dict[str, list[float]] = {}
+    rows = []
+    for name, decoding in DECODERS.items():
+        estimate = size.estimate_recompute and decoding is gptlab_recompute
+        decoding(model, [0], 8)  # warm-up
+        first_ms = 1e3 * best_of(size.repeats, decoding, model, prompt, 1)[0]
+        times = best_of(size.repeats, estimated_recompute if estimate else decoding, model, [0], max(LENGTHS))
+        rates[name] = [n / times[n - 1] for n in LENGTHS]
+        cells = " | ".join(f"{'~' if estimate else ''}{rate:,.1f}" for rate in rates[name])
+        rows.append(f"| {size.name} | {name} | {first_ms:,.0f} (prompt {len(prompt)}) | {cells} | "
+                    f"{bound:,.1f} | {linear_bound:,.1f} | {rates[name][0] / bound:.0%} |")
+    cached, naive = rates["gptlab KV cache"], rates["gptlab recompute"]
+    speedups = " | ".join(f"x{c / n:.1f}" for c, n in zip(cached, naive, strict=True))
+    rows.append(f"| {size.name} | speedup of the cache | | {speedups} | | | |")
+    return rows
+
+
+def best_seconds(run: Callable[[], list[int]], repeats: int) -> tuple[float, list[int]]:
+    """The shortest of `repeats` timed calls after one warm-up, and the tokens it produced."""
+    run()
+    times, tokens = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tokens = run()
+        times.append(time.perf_counter() - start)
+    return min(times), tokens
+
+
+def transformers_row(name: str, config: ModelConfig, device: torch.device, repeats: int = 3) -> str:
+    """One row of the gptlab-vs-transformers table: both decode the same weights greedily."""
+    from gptlab.convert import to_transformers
+
+    torch.manual_seed(0)
+    model = GPT(config).to(device).eval()
+    hf = to_transformers(model)
+    idx = torch.zeros(1, 1, dtype=torch.long, device=device)
+    ours, our_tokens = best_seconds(
+        lambda: [int(t) for t in generate(model, [[0]], HF_NEW_TOKENS, temperature=0)], repeats)
+    theirs, their_tokens = best_seconds(
+        lambda: hf.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, use_cache=True,
+                            max_new_tokens=HF_NEW_TOKENS, min_new_tokens=HF_NEW_TOKENS,
+                            pad_token_id=0)[0, 1:].tolist(), repeats)
+    rates = f"{HF_NEW_TOKENS / ours:,.1f} | {HF_NEW_TOKENS / theirs:,.1f} | x{theirs / ours:.2f}"
+    return f"| {name} | {rates} | {our_tokens == their_tokens} |"
+
+
+def transformers_comparison(device: torch.device) -> list[str]:
+    """The table's rows; none when transformers is not installed."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return []
+    rows = []
+    for size in SIZES:
+        config, name = size.config, size.name
+        if config.block_size <= HF_NEW_TOKENS:  # transformers stops at n_positions: widen the window
+            config, name = config.replace(block_size=256), name.replace("ctx 64", "ctx 256")
+        rows.append(transformers_row(name, config, device))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="the demo model only")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device)
+    streamed, transposed = (product_bandwidth(device, layout) for layout in (False, True))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}; float32, batch 1, "
+          f"greedy; copy bandwidth {bandwidth / 1e9:.1f} GB/s; a batch-1 product reads a 154 MB weight at "
+          f"{streamed / 1e9:.1f} GB/s with F.linear ({streamed / bandwidth:.0%} of that), "
+          f"{transposed / 1e9:.1f} GB/s stored (in, out)\n")
+    lengths = " | ".join(f"tokens/s, {n} new" for n in LENGTHS)
+    print(f"| model | decoder | first token, ms | {lengths} | bound tokens/s | F.linear bound | "
+          "at 128 / bound |")
+    print("|---|---|---|" + "---|" * len(LENGTHS) + "---|---|---|")
+    for size in SIZES[:1] if args.quick else SIZES:
+        for row in rows_for(size, (bandwidth, streamed), device):
+            print(row, flush=True)
+    print("\n" + NOTES)
+    if not args.quick:
+        rows = transformers_comparison(device)
+        if rows:
+            print(f"\n{HF_NEW_TOKENS} new tokens, batch 1, greedy, best of 3: gptlab KV cache vs "
+                  "transformers `generate` on the same weights\n")
+            print("| model | gptlab tokens/s | transformers tokens/s | gptlab speedup | same tokens |")
+            print("|---|---|---|---|---|")
+            print("\n".join(rows))
+
+
+NOTES = """\
+- bound: copy bandwidth / weight bytes, the rate if each step only read every weight once; at context
+  T the cache adds 2 L T D x 4 bytes of keys and values per step (75 MB for GPT-2 small at T = 1024).
+  F.linear bound: the same with the rate at which F.linear's batch-1 product reads a weight here.
+- demo: its 3.3 MB of weights stay in the CPU caches, so the memory bound does not limit it: a step
+  costs the fixed overhead of a few dozen small operations. Its window is 64 tokens, so past 64 the
+  cached run re-prefills its last 32 tokens every 32 tokens (learned positions) and recompute never
+  runs more than 64 positions a step: the speedup cannot grow with length there.
+- ~: estimated from timed single steps (see the module docstring); every other figure is measured,
+  as the best of a few runs."""
+
+
+if __name__ == "__main__":
+    main()

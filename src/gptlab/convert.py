@@ -1,0 +1,436 @@
+"""Hugging Face interop: gptlab runs <-> GPT-2 folders that `transformers` loads, logit for logit.
+
+gptlab's GPT with learned positions, pre-norm LayerNorm, the tanh GELU, biases and a tied head is
+GPT-2 (§5-§7 of the handout), and its modules carry GPT-2's checkpoint names, so the conversion is
+an explicit name map that is the identity, plus two facts about GPT-2's files:
+- GPT-2's projections are `Conv1D` layers that store their weight as (in, out); `nn.Linear` stores
+  (out, in). The four projection weights of every block are transposed on the way in and out.
+- Older GPT-2 checkpoints carry the causal mask as non-parameter buffers (`h.N.attn.bias`,
+  `h.N.attn.masked_bias`) and may lack the `transformer.` prefix. Those buffers are skipped by name
+  (gptlab builds its mask from the config); every other tensor must be used.
+Every conversion checks completeness: each source tensor used, each target filled, each shape
+asserted. Reading and writing folders needs only safetensors, torch and tokenizers;
+`transformers` (the `hf` extra) is imported only by `to_transformers`.
+
+Deliberate choices:
+- The feed-forward width travels as GPT-2's `n_inner`, so any `ffn_mult` exports.
+- gptlab has no attention-weight dropout: exports set `attn_pdrop=0`; imports take `resid_pdrop`.
+- Tokenizers: `bpe` exports its own tokenizers JSON; `gpt2` rebuilds GPT-2's vocabulary and merges
+  from tiktoken's ranks; `char` and `byte` have no Hugging Face equivalent and are not exported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptlab.checkpoint import (
+    BEST,
+    Checkpoint,
+    atomic_write,
+    load_checkpoint,
+    model_tensors,
+    save_checkpoint,
+)
+from gptlab.config import ModelConfig
+from gptlab.model import GPT
+from gptlab.tokenizer import EOT, tokenizer_from_dict
+
+PREFIX, HEAD = "transformer.", "lm_head.weight"
+BLOCK_TENSORS = (
+    "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+    "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
+    "mlp.c_proj.weight", "mlp.c_proj.bias",
+)
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+MASK_BUFFER = re.compile(r"^transformer\.h\.\d+\.attn\.(bias|masked_bias)$")
+GPT2_VOCAB = 50257
+# GPT2Config's defaults, for config.json files that leave a field out.
+GPT2_DEFAULTS: dict[str, Any] = {
+    "model_type": "gpt2", "vocab_size": GPT2_VOCAB, "n_positions": 1024, "n_embd": 768, "n_layer": 12,
+    "n_head": 12, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": 0.1,
+    "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False, "tie_word_embeddings": True,
+}
+# What GPT-2 needs of a gptlab ModelConfig (ffn_mult is free: it becomes n_inner).
+GPT2_NEEDS: dict[str, Any] = {
+    "positions": "learned", "norm": "layernorm", "ffn": "gelu", "arrangement": "pre", "tied": True,
+    "bias": True, "causal": True,
+}
+# Both are the tanh approximation of GELU, which gptlab's `gelu` is; they differ only in rounding.
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What export_hf or import_hf wrote, and anything the user should know about it."""
+
+    out_dir: Path
+    files: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs
+
+
+def check_exportable(config: ModelConfig) -> None:
+    """Raise one ValueError listing every field GPT-2 cannot represent, with what GPT-2 needs."""
+    problems = [
+        f"{name}={getattr(config, name)!r} (GPT-2 needs {need!r})"
+        for name, need in GPT2_NEEDS.items()
+        if getattr(config, name) != need
+    ]
+    if problems:
+        raise ValueError(f"this model cannot be exported as GPT-2: {'; '.join(problems)}")
+
+
+def gpt2_config(config: ModelConfig, eot_id: int | None = None) -> dict[str, Any]:
+    """The config.json of GPT-2 with this shape (the caller checks exportability first)."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_positions": config.block_size,
+        "n_embd": config.n_embd,
+        "n_layer": config.n_layer,
+        "n_head": config.n_head,
+        "n_inner": None if config.ffn_hidden == 4 * config.n_embd else config.ffn_hidden,
+        "activation_function": "gelu_new",
+        "resid_pdrop": config.dropout,
+        "embd_pdrop": config.dropout,
+        "attn_pdrop": 0.0,
+        "layer_norm_epsilon": config.norm_eps,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "bos_token_id": eot_id,
+        "eos_token_id": eot_id,
+    }
+
+
+def model_config_from_gpt2(hf: Mapping[str, Any]) -> ModelConfig:
+    """The gptlab ModelConfig of a GPT-2 config.json dict; one ValueError lists what does not fit."""
+    get = {**GPT2_DEFAULTS, **hf}.get
+    needs = {"model_type": "gpt2", "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+             "add_cross_attention": False, "tie_word_embeddings": True}
+    problems = [f"{k}={get(k)!r} (gptlab needs {v!r})" for k, v in needs.items() if get(k) != v]
+    if get("activation_function") not in TANH_GELUS:
+        problems.append(f"activation_function={get('activation_function')!r} "
+                        f"(gptlab needs one of {', '.join(TANH_GELUS)})")
+    if problems:
+        raise ValueError(f"this GPT-2 config cannot be loaded into gptlab: {'; '.join(problems)}")
+    n_embd = get("n_embd")
+    n_inner = get("n_inner") or 4 * n_embd
+    config = ModelConfig(
+        vocab_size=get("vocab_size"), block_size=get("n_positions"), n_layer=get("n_layer"),
+        n_head=get("n_head"), n_embd=n_embd, ffn_mult=n_inner / n_embd, dropout=get("resid_pdrop"),
+        norm_eps=get("layer_norm_epsilon"),
+    )
+    if config.ffn_hidden != n_inner:
+        raise ValueError(f"n_inner={n_inner} is not a width gptlab can express as ffn_mult * n_embd={n_embd}")
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def gpt2_names(config: ModelConfig) -> dict[str, str]:
+    """gptlab tensor name -> GPT-2 checkpoint name, for every stored tensor (the tied head is not one)."""
+    names = [f"{PREFIX}wte.weight", f"{PREFIX}wpe.weight"]
+    names += [f"{PREFIX}h.{i}.{part}" for i in range(config.n_layer) for part in BLOCK_TENSORS]
+    names += [f"{PREFIX}ln_f.weight", f"{PREFIX}ln_f.bias"]
+    # gptlab named its modules after GPT-2's checkpoint, so the map is the identity by construction.
+    return {name: name for name in names}
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
+    """Shapes of the gptlab tensors a model of this config stores (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    state = model.state_dict()
+    state.pop(HEAD)  # tied: the embedding holds it
+    return {name: tensor.shape for name, tensor in state.items()}
+
+
+def _is_conv1d(name: str) -> bool:
+    return name.endswith(CONV1D)
+
+
+def to_gpt2_state(model_state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """GPT-2 tensors from gptlab's (tied head left out), Conv1D weights as (in, out)."""
+    shapes = _expected_shapes(config)
+    names = gpt2_names(config)
+    assert set(names) == set(shapes), f"the name map misses {sorted(set(shapes) - set(names))}"
+    if set(model_state) != set(names):
+        missing, unused = sorted(set(names) - set(model_state)), sorted(set(model_state) - set(names))
+        raise ValueError(f"checkpoint tensors do not fit its config: missing {missing}, unused {unused}")
+    out = {}
+    for ours, theirs in names.items():
+        tensor = model_state[ours]
+        if tensor.shape != shapes[ours]:
+            raise ValueError(f"{ours} has shape {tuple(tensor.shape)}, its config says {tuple(shapes[ours])}")
+        out[theirs] = (tensor.t() if _is_conv1d(ours) else tensor).contiguous()
+    return out
+
+
+def from_gpt2_state(
+    hf_state: Mapping[str, torch.Tensor], config: ModelConfig
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """gptlab tensors (float32) from a GPT-2 state dict, and the mask buffers that were skipped.
+
+    Every other source tensor must be used and every target filled with the expected shape.
+    """
+    # GPT2Model checkpoints (the original release) name tensors without the `transformer.` prefix.
+    state = {k if k.startswith(PREFIX) or k == HEAD else PREFIX + k: v for k, v in hf_state.items()}
+    skipped = sorted(k for k in state if MASK_BUFFER.match(k))
+    head = state.get(HEAD)
+    names, shapes = gpt2_names(config), _expected_shapes(config)
+    missing = sorted(theirs for theirs in names.values() if theirs not in state)
+    unused = sorted(set(state) - set(names.values()) - set(skipped) - {HEAD})
+    if missing or unused:
+        raise ValueError(f"the GPT-2 weights do not fit config.json: missing {missing}, unused {unused}")
+    out = {}
+    for ours, theirs in names.items():
+        tensor = state[theirs].float()
+        tensor = (tensor.t() if _is_conv1d(ours) else tensor).contiguous()
+        if tensor.shape != shapes[ours]:
+            raise ValueError(f"{theirs} has shape {tuple(state[theirs].shape)}, not what config.json says")
+        out[ours] = tensor
+    if head is not None and not torch.equal(head.float(), out[f"{PREFIX}wte.weight"]):
+        raise ValueError("lm_head.weight differs from transformer.wte.weight: gptlab's GPT-2 ties them")
+    return out, skipped
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters (vocab.json's alphabet).
+
+    Bytes that are printable Latin-1 characters stand for themselves; the other 68 take the
+    characters from U+0100 upwards, in byte order.
+    """
+    printable = {*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    shifted = iter(range(0x100, 0x200))
+    return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
+
+
+def byte_level_bpe(vocab: Mapping[str, int], merges: list[tuple[str, str]]) -> str:
+    """Tokenizers JSON of a byte-level BPE set up like gptlab's bpe kind (GPT-2's split, no prefix space)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    hf = HFTokenizer(models.BPE(dict(vocab), merges))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    if EOT in vocab:
+        hf.add_special_tokens([EOT])
+    return hf.to_str()
+
+
+def bpe_json_from_ranks(ranks: Mapping[bytes, int], special: Mapping[str, int]) -> str:
+    """A byte-level BPE (tokenizers JSON) from tiktoken's form: token bytes -> id, merged in id order.
+
+    tiktoken keeps no merge list: the merge that made a token is found by running BPE on the
+    token's own bytes with only lower-ranked tokens, which leaves exactly two parts.
+    """
+    spell = byte_to_unicode()
+
+    def text(token: bytes) -> str:
+        return "".join(spell[b] for b in token)
+
+    by_rank = sorted(ranks, key=ranks.__getitem__)
+    merges = [tuple(map(text, _last_merge(token, ranks))) for token in by_rank if len(token) > 1]
+    vocab = {**{text(token): rank for token, rank in ranks.items()}, **special}
+    return byte_level_bpe(vocab, merges)  # type: ignore[arg-type]
+
+
+def _last_merge(token: bytes, ranks: Mapping[bytes, int]) -> tuple[bytes, bytes]:
+    """The two parts BPE joins last when it encodes `token` with only lower-ranked tokens."""
+    limit = ranks[token]
+    parts = [token[i : i + 1] for i in range(len(token))]
+    while len(parts) > 2:
+        # the lowest-ranked adjacent pair, leftmost first, as tiktoken's encoder chooses
+        pairs = enumerate(zip(parts, parts[1:], strict=False))
+        rank, i = min((ranks.get(a + b, limit), i) for i, (a, b) in pairs)
+        if rank >= limit:
+            raise ValueError(f"token {token!r} is not made of lower-ranked tokens: not a BPE vocabulary")
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts[0], parts[1]
+
+
+def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str | None:
+    """Tokenizers JSON that encodes like a saved gptlab tokenizer; None for char and byte."""
+    if tokenizer["kind"] == "bpe":
+        return tokenizer["json"]
+    if tokenizer["kind"] == "gpt2":
+        # tokenizer.py's loader, for its error message that says how to get tiktoken's files
+        from gptlab.tokenizer import _load_gpt2_encoding
+
+        encoding = _load_gpt2_encoding()
+        eot = encoding.eot_token
+        ranks = {encoding.decode_single_token_bytes(i): i for i in range(encoding.n_vocab) if i != eot}
+        return bpe_json_from_ranks(ranks, {EOT: eot})
+    return None
+
+
+def read_hf_tokenizer(hf_dir: Path, vocab_size: int) -> tuple[dict[str, Any], str]:
+    """A gptlab tokenizer dict from a GPT-2 folder's tokenizer files, and a note on what was used."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if (hf_dir / "tokenizer.json").is_file():
+        source = "tokenizer.json"
+        tokenizer_json = HFTokenizer.from_file(str(hf_dir / source)).to_str()
+    elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
+        vocab = json.loads((hf_dir / "vocab.json").read_text(encoding="utf-8"))
+        lines = (hf_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
+        merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
+        if any(len(merge) != 2 for merge in merges):
+            raise ValueError(f"{hf_dir / 'merges.txt'} is not a merges file: every line must be two tokens")
+        tokenizer_json, source = byte_level_bpe(vocab, merges), "vocab.json and merges.txt"  # type: ignore[arg-type]
+    elif vocab_size == GPT2_VOCAB:
+        return {"kind": "gpt2"}, "no tokenizer files: using GPT-2's own encoding through tiktoken (gpt2 kind)"
+    else:
+        raise ValueError(
+            f"{hf_dir} has no tokenizer files (tokenizer.json, or vocab.json and merges.txt) and its "
+            f"vocabulary of {vocab_size} is not GPT-2's {GPT2_VOCAB}: add the tokenizer files to the folder"
+        )
+    tokenizer = tokenizer_from_dict({"kind": "bpe", "json": tokenizer_json})
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer in {hf_dir} has {tokenizer.vocab_size} ids but the model only "
+                         f"{vocab_size}: the tokenizer files belong to another model")
+    return tokenizer.to_dict(), f"tokenizer from {source}: {tokenizer.vocab_size} ids (bpe kind)"
+
+
+def _tokenizer_config(eot_id: int | None, block_size: int) -> dict[str, Any]:
+    """tokenizer_config.json: the generic fast tokenizer over tokenizer.json, decoding text unchanged."""
+    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if eot_id is not None else {}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
+            "clean_up_tokenization_spaces": False, **special}
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders
+
+
+def _new_folder(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir} exists and is not an empty folder: choose a new output folder")
+    return out_dir
+
+
+def _write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
+    """Write a run's best checkpoint as a folder that `GPT2LMHeadModel.from_pretrained` loads.
+
+    With a bpe or gpt2 tokenizer the folder also holds tokenizer files for `AutoTokenizer`.
+    Everything is computed before the first file is written.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+
+    checkpoint = load_checkpoint(run)
+    config = checkpoint.model_config
+    check_exportable(config)
+    out_dir = _new_folder(out_dir)
+    tensors = to_gpt2_state(checkpoint.model_state, config)
+    tokenizer_json = hf_tokenizer_json(checkpoint.tokenizer)
+    eot_id = HFTokenizer.from_str(tokenizer_json).token_to_id(EOT) if tokenizer_json else None
+    texts = {"config.json": json.dumps(gpt2_config(config, eot_id), indent=2) + "\n"}
+    notes = []
+    if tokenizer_json is None:
+        notes.append(f"the {checkpoint.tokenizer['kind']} tokenizer has no Hugging Face equivalent: "
+                     "only the weights are exported")
+    else:
+        texts["tokenizer.json"] = tokenizer_json
+        texts["tokenizer_config.json"] = json.dumps(_tokenizer_config(eot_id, config.block_size), indent=2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "model.safetensors",
+                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    for name, text in texts.items():
+        _write_text(out_dir / name, text)
+    return Conversion(out_dir, ["model.safetensors", *texts], notes)
+
+
+def read_gpt2_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a folder's model.safetensors, else of its pytorch_model.bin (no code run on load)."""
+    safetensors_file, pickle_file = hf_dir / "model.safetensors", hf_dir / "pytorch_model.bin"
+    if not safetensors_file.is_file() and not pickle_file.is_file():
+        raise FileNotFoundError(f"{hf_dir} holds neither model.safetensors nor pytorch_model.bin (sharded "
+                                "checkpoints are not supported): give a folder written by save_pretrained")
+    try:
+        if safetensors_file.is_file():
+            return load_file(str(safetensors_file))
+        # weights_only=True unpickles only tensors and plain containers: a hostile file runs nothing.
+        state = torch.load(pickle_file, map_location="cpu", weights_only=True)
+    except Exception as err:  # safetensors and pickle raise their own error types for a damaged file
+        raise ValueError(f"cannot read the weights in {hf_dir} ({err})") from err
+    if not (isinstance(state, dict) and all(isinstance(t, torch.Tensor) for t in state.values())):
+        raise ValueError(f"{pickle_file} does not hold a state dict of tensors")
+    return state
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
+    """Read a local GPT-2 folder into a gptlab run folder (best.safetensors and config.json)."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} holds no config.json: give a folder written by save_pretrained")
+    config = model_config_from_gpt2(json.loads((hf_dir / "config.json").read_text(encoding="utf-8")))
+    tensors, skipped = from_gpt2_state(read_gpt2_tensors(hf_dir), config)
+    tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
+    out_dir = _new_folder(out_dir)
+    state = {"step": 0, "imported_from": str(hf_dir)}
+    save_checkpoint(out_dir / BEST, Checkpoint(config, tokenizer, tensors, state=state))
+    resolved = {"model": config.to_dict(), "imported_from": str(hf_dir)}
+    _write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+    notes = [note]
+    if skipped:
+        notes.append(f"skipped {len(skipped)} causal-mask buffers (such as {skipped[0]}), which are not "
+                     "weights: gptlab builds its mask from the config")
+    return Conversion(out_dir, [BEST, "config.json"], notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# In memory, for tests and benchmarks that run both libraries side by side
+
+
+def to_transformers(model: GPT) -> Any:
+    """A `transformers` GPT2LMHeadModel in eval mode with this model's weights (needs the hf extra)."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        raise ValueError("to_transformers needs transformers: pip install 'gptlab[hf]'") from None
+    check_exportable(model.config)
+    values = gpt2_config(model.config)
+    del values["architectures"], values["model_type"]
+    hf = GPT2LMHeadModel(GPT2Config(**values))
+    missing, unexpected = hf.load_state_dict(to_gpt2_state(model_tensors(model), model.config), strict=False)
+    assert not unexpected and set(missing) <= {HEAD}, f"missing {missing}, unexpected {unexpected}"
+    return hf.to(next(model.parameters()).device).eval()
+
+
+def from_transformers(hf_model: Any) -> GPT:
+    """A gptlab GPT in eval mode with the weights of a `transformers` GPT2LMHeadModel."""
+    config = model_config_from_gpt2(hf_model.config.to_dict())
+    tensors, _ = from_gpt2_state(hf_model.state_dict(), config)
+    model = GPT(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and missing == [HEAD], f"missing {missing}, unexpected {unexpected}"
+    return model.eval()

@@ -1,0 +1,158 @@
+"""Several processes, one training run: PyTorch's own engine (torchrun, DDP, FSDP2), applied from outside.
+
+gptlab never starts processes itself. `torchrun --nproc_per_node=N -m gptlab train ...` (or with
+`--nnodes`, `--node-rank` and `--rdzv-endpoint` across machines) starts N copies and sets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `setup` joins that group with NCCL on CUDA and
+gloo on CPU. The model stays a plain single-device module: `wrap` applies DistributedDataParallel
+or FSDP2's `fully_shard` around it, and the helpers below move weights and optimiser state in and
+out as full, unsharded tensors, so a checkpoint is the same file whatever the world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from gptlab.common import resolve_device
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process stands in the run: rank 0 of 1 when not launched by torchrun."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        """Only the main process logs, shows progress and writes files."""
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def setup(device_name: str) -> tuple[Dist, torch.device]:
+    """Join torchrun's process group (once) and pick this process's device."""
+    if not launched_by_torchrun():
+        return Dist(), resolve_device(device_name)
+    info = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(device_name)
+    if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise ValueError(
+                f"WORLD_SIZE={info.world_size} is set but {' and '.join(missing)} is not: start the run "
+                "with torchrun (e.g. torchrun --nproc_per_node=2 -m gptlab train ...)"
+            )
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        try:
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
+        except (RuntimeError, ValueError) as err:
+            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+            raise ValueError(f"could not join the process group at {where}: {err}") from err
+    if not info.is_main:
+        logging.getLogger("gptlab").setLevel(logging.WARNING)  # one voice: rank 0 reports
+    return info, device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def wrap(model: nn.Module, parallel: str, info: Dist, device: torch.device) -> nn.Module:
+    """The model as the training loop should call it: unchanged, DDP-wrapped, or sharded in place."""
+    if info.world_size == 1:
+        return model
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.transformer.h:  # one shard group per block, the rest at the root
+            fully_shard(block)
+        return fully_shard(model)
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce on non-final micro-steps of gradient accumulation."""
+    if isinstance(model, nn.parallel.DistributedDataParallel) and not enabled:
+        with model.no_sync():
+            yield
+        return
+    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(enabled)
+    yield
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise sum over all processes (the values themselves in a single process)."""
+    if not dist.is_initialized():
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return inner.named_parameters()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu()
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight as a full CPU tensor (a collective call under FSDP: every rank must make it)."""
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return {name: _full(t) for name, t in inner.state_dict().items()}
+
+
+def full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's optimiser slots by parameter name, full and on the CPU (collective under FSDP)."""
+    return {
+        name: {slot: _full(value) for slot, value in optimizer.state[param].items()}
+        for name, param in _named_parameters(model)
+        if param in optimizer.state
+    }
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                         state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Put saved slots back, sharded like their parameter when it is sharded (none before step 1)."""
+    if not state:
+        return
+    for name, param in _named_parameters(model):
+        if name not in state:
+            raise ValueError(f"the checkpoint's optimiser state has no entry for parameter {name}")
+        slots = {}
+        for slot, value in state[name].items():
+            if isinstance(param, DTensor) and value.shape == param.shape:
+                slots[slot] = distribute_tensor(value.to(param.device), param.device_mesh, param.placements)
+            else:
+                slots[slot] = value.to(param.device)
+        optimizer.state[param] = slots

@@ -1,0 +1,119 @@
+"""Attention maps of one prompt: a PNG grid of heatmaps and a self-contained interactive HTML page.
+
+Handout §2-§3.2: row i of a head's weight matrix is how query i spreads its attention over the keys
+j <= i. The weights are recomputed beside the fast kernel only for the layers and heads asked for
+(see `hooks`), so the logits shown beside them are the model's own. §2.2's warning applies to every
+picture drawn here: a large weight is routing, not yet an explanation (`interventions` tests that).
+
+The PNG is a grid, layers down and heads across; in every heatmap rows are queries and columns keys,
+labelled with the prompt's tokens. The HTML page carries its data as inline JSON and its script and
+style inline, so it opens offline: pick a layer and a head, and hover a token to see where it attends
+and which next tokens the model predicts at that position.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptlab.inspection.hooks import record
+from gptlab.inspection.page import PAGE
+from gptlab.inspection.tokens import token_label, token_labels
+from gptlab.model import GPT
+from gptlab.tokenizer import Tokenizer
+
+TOP_PREDICTIONS = 5  # next tokens listed per position on the HTML page
+INCHES_PER_TOKEN = 0.1  # heatmap size per token, so ~7-point labels never overlap
+
+
+@dataclass(frozen=True)
+class AttentionMaps:
+    """The weights of some heads on one prompt, and the model's next-token distribution at each position."""
+
+    prompt: str
+    labels: list[str]  # each token's text, made visible (token_label)
+    layers: list[int]
+    heads: list[int]
+    weights: torch.Tensor  # (len(layers), len(heads), T, T): rows are queries, columns keys
+    probs: torch.Tensor  # (T, V): the distribution of the token after each position
+
+
+def check_index(value: int | None, count: int, option: str) -> list[int]:
+    """[value] if it is a valid index below `count`, every index if it is None; else a ValueError."""
+    if value is None:
+        return list(range(count))
+    if not 0 <= value < count:
+        raise ValueError(f"{option} {value} does not exist: the model has {count}, numbered 0..{count - 1}")
+    return [value]
+
+
+@torch.no_grad()
+def attention_maps(model: GPT, tokenizer: Tokenizer, prompt: str, ids: Sequence[int],
+                   layer: int | None = None, head: int | None = None) -> AttentionMaps:
+    """Run the prompt once, recomputing the weights of one layer/head or of all (the default)."""
+    layers = check_index(layer, model.config.n_layer, "--layer")
+    heads = check_index(head, model.config.n_head, "--head")
+    device = next(model.parameters()).device
+    names = [f"h.{n}.attn.weights" for n in layers]
+    with record(model, names, heads) as values:
+        logits, _ = model(torch.tensor([list(ids)], device=device))  # (1, T, V)
+    weights = torch.stack([values[name][0] for name in names]).float().cpu()  # (L', H', T, T)
+    return AttentionMaps(prompt, token_labels(tokenizer, ids), layers, heads, weights,
+                         logits[0].float().softmax(-1).cpu())
+
+
+def save_attention_png(maps: AttentionMaps, path: str | Path) -> None:
+    """Draw a layers x heads grid of heatmaps with token labels on both axes (matplotlib's Agg backend)."""
+    from matplotlib.figure import Figure
+
+    n_rows, n_cols, T = len(maps.layers), len(maps.heads), len(maps.labels)
+    side = max(2.4, INCHES_PER_TOKEN * T)  # one heatmap's side, in inches
+    fig = Figure(figsize=(n_cols * side + 1.4, n_rows * side + 1.0), dpi=100, layout="constrained")
+    axes = fig.subplots(n_rows, n_cols, squeeze=False)
+    image = None
+    for r, layer in enumerate(maps.layers):
+        for c, head in enumerate(maps.heads):
+            ax = axes[r][c]
+            image = ax.imshow(maps.weights[r, c].numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
+            ax.set_title(f"layer {layer}, head {head}", fontsize=9)
+            # Queries label every row of the left column, keys every column of the bottom row.
+            ax.set_yticks(range(T), maps.labels if c == 0 else [], fontsize=7, fontfamily="monospace")
+            ax.set_xticks(range(T), maps.labels if r == n_rows - 1 else [], fontsize=7,
+                          fontfamily="monospace", rotation=90)
+            ax.tick_params(length=0)
+        axes[r][0].set_ylabel("query (attending)", fontsize=8)
+    for ax in axes[-1]:
+        ax.set_xlabel("key (attended to)", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=min(0.8, 3.0 / n_rows + 0.2), label="attention weight")
+    fig.suptitle(f"attention weights for {maps.prompt!r}", fontsize=10)
+    fig.savefig(path, format="png")
+
+
+def predictions(maps: AttentionMaps, tokenizer: Tokenizer, k: int = TOP_PREDICTIONS) -> list[list[list]]:
+    """The k most likely next tokens after each position, as [label, probability] pairs."""
+    top = maps.probs.topk(min(k, maps.probs.size(-1)), dim=-1)  # (T, k) values and indices
+    return [[[token_label(tokenizer, int(t)), round(float(p), 4)] for p, t in zip(ps, ts, strict=True)]
+            for ps, ts in zip(top.values, top.indices, strict=True)]
+
+
+def save_attention_html(maps: AttentionMaps, tokenizer: Tokenizer, path: str | Path) -> None:
+    """Write one self-contained page (inline data, script and style; nothing fetched) to `path`."""
+    data = {
+        "prompt": maps.prompt,
+        "labels": maps.labels,
+        "layers": maps.layers,
+        "heads": maps.heads,
+        "weights": maps.weights.double().round(decimals=4).tolist(),  # (L', H', T, T); short decimals
+        "predictions": predictions(maps, tokenizer),  # (T, k, 2)
+    }
+    # "<" escaped as \u003c keeps "</script>" in a token from ending the data block early.
+    inline = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")
+    parts = {"TITLE": html.escape(f"attention: {maps.prompt!r}"), "DATA": inline}
+    page = re.sub("__(TITLE|DATA)__", lambda m: parts[m.group(1)], PAGE)  # one pass: no part is rescanned
+    Path(path).write_text(page, encoding="utf-8")

@@ -1,0 +1,63 @@
+"""Prompts, single tokens and positions as the inspection commands take them, with one-line errors.
+
+Every inspection works on token positions of one prompt, so a prompt must fit the model's context
+window (it is not cropped: cropping would shift every position the user names), a replacement must
+be exactly one token, and a position may count from the end as in Python (-1 is the last token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gptlab.tokenizer import Tokenizer
+
+# Characters a label shows visibly: a space, line breaks and tabs would vanish on an axis.
+VISIBLE = {" ": "\u2423", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
+    """The token ids of `prompt`, refusing an empty prompt or one longer than the context window."""
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ValueError("--prompt encodes to no tokens: give a non-empty prompt")
+    if len(ids) > block_size:
+        raise ValueError(f"--prompt is {len(ids)} tokens but the model sees at most block_size={block_size}: "
+                         "shorten the prompt")
+    return ids
+
+
+def encode_token(tokenizer: Tokenizer, text: str, option: str) -> int:
+    """The id of `text`, which must encode to exactly one token; `option` names the flag in errors."""
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise ValueError(f"{option} {text!r} is {len(ids)} tokens for the {tokenizer.kind} tokenizer; "
+                         "give text that is exactly one token")
+    return ids[0]
+
+
+def token_label(tokenizer: Tokenizer, token: int) -> str:
+    """A token's text with spaces, line breaks, tabs and other control characters made visible."""
+    text = tokenizer.decode([token])
+    shown = "".join(VISIBLE.get(c, c if c.isprintable() else f"\\x{ord(c):02x}") for c in text)
+    return shown or "\u2205"  # the empty set sign for a token that decodes to nothing
+
+
+def token_labels(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
+    """`token_label` of every id."""
+    return [token_label(tokenizer, token) for token in ids]
+
+
+def resolve_position(position: int, length: int, option: str) -> int:
+    """A position in 0..length-1 from one that may count from the end; a ValueError if out of range."""
+    if not -length <= position < length:
+        raise ValueError(f"{option} position {position} is outside the prompt's {length} tokens: "
+                         f"use 0..{length - 1}, or -{length}..-1 to count from the end")
+    return position % length
+
+
+def parse_replacement(spec: str) -> tuple[int, str]:
+    """(position, text) of a `--replace POS=TOKEN` value; the text may itself contain '='."""
+    position, sep, text = spec.partition("=")
+    if not (sep and text and position.strip().removeprefix("-").isdigit()):
+        raise ValueError(f"--replace {spec!r} must be POS=TOKEN, a token index and the new token, e.g. 3=e")
+    return int(position), text
