@@ -122,3 +122,13 @@ def test_a_dying_rank_stops_the_run(data_dir: Path, tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert time.time() - started < 60  # torchrun tears the survivor down; nothing hangs
     assert "exitcode  : -9" in err or "Signal 9" in err
+
+
+def test_a_seq2seq_run_in_two_processes_equals_one(tmp_path: Path) -> None:
+    common = ["seq2seq", "train", "--task", "reverse", "--max-len", "5", "--n-embd", "32", "--n-head", "2",
+              "--batch-size", "8", "--max-steps", "12", "--eval-interval", "6", "--eval-batches", "2",
+              "--eval-examples", "20", "--device", "cpu", "--no-progress"]
+    gptlab(*common, "--out", str(tmp_path / "one"))
+    two = gptlab(*common, "--out", str(tmp_path / "two"), nproc=2)
+    assert "2 process(es)" in two.stdout and two.stdout.count("finished at step 12") == 1
+    assert_same_run(tmp_path / "one", tmp_path / "two")

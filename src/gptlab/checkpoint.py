@@ -21,13 +21,30 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, Seq2SeqConfig, TrainConfig
+from gptlab.encoder_decoder import EncoderDecoder
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer, tokenizer_from_dict
 
 FORMAT = "gptlab-checkpoint-1"
 LAST, BEST = "last.safetensors", "best.safetensors"
+# The architectures a checkpoint may hold: its config class and model class, by the name it is saved under.
+ARCHITECTURES: dict[str, tuple[type[ModelConfig], type[nn.Module]]] = {
+    "decoder": (ModelConfig, GPT),
+    "encoder-decoder": (Seq2SeqConfig, EncoderDecoder),
+}
+
+
+def architecture(config: ModelConfig) -> str:
+    """The name under which a checkpoint records which model `config` builds."""
+    return "encoder-decoder" if isinstance(config, Seq2SeqConfig) else "decoder"
+
+
+def new_model(config: ModelConfig) -> GPT | EncoderDecoder:
+    """A freshly initialised model of the architecture `config` describes."""
+    return ARCHITECTURES[architecture(config)][1](config)
 
 
 @dataclass
@@ -42,9 +59,9 @@ class Checkpoint:
     optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None  # parameter name -> slot -> tensor
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def build_model(self) -> GPT:
-        """A GPT with these weights (tied heads restored from the embedding)."""
-        model = GPT(self.model_config)
+    def build_model(self) -> GPT | EncoderDecoder:
+        """The model with these weights (tied heads restored from the embedding)."""
+        model = new_model(self.model_config)
         missing, unexpected = model.load_state_dict(self.model_state, strict=False)
         allowed_missing = ["lm_head.weight"] if self.model_config.tied else []
         if unexpected or sorted(missing) != allowed_missing:
@@ -54,7 +71,7 @@ class Checkpoint:
         return model
 
 
-def model_tensors(model: GPT) -> dict[str, torch.Tensor]:
+def model_tensors(model: GPT | EncoderDecoder) -> dict[str, torch.Tensor]:
     """The model's state without the duplicate name of a tied head (safetensors stores no aliases)."""
     state = model.state_dict()
     if model.config.tied:
@@ -70,6 +87,7 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
     tensors.update({f"rng.{name}": t.contiguous() for name, t in checkpoint.rng.items()})
     metadata = {
         "format": FORMAT,
+        "architecture": architecture(checkpoint.model_config),
         "model_config": json.dumps(checkpoint.model_config.to_dict()),
         "train_config": json.dumps(checkpoint.train_config.to_dict() if checkpoint.train_config else None),
         "tokenizer": json.dumps(checkpoint.tokenizer),
@@ -113,6 +131,16 @@ def resolve_checkpoint(path: str | Path, prefer: str = BEST) -> Path:
     raise FileNotFoundError(f"{path} holds no checkpoint ({LAST} or {BEST}): train a model into it first")
 
 
+def checkpoint_architecture(path: str | Path, prefer: str = BEST) -> str:
+    """The architecture a run folder or checkpoint file holds, read from its header alone."""
+    file = resolve_checkpoint(path, prefer)
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            return (reader.metadata() or {}).get("architecture", "decoder")
+    except Exception as err:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"{file} is not a readable gptlab checkpoint ({err})") from err
+
+
 def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
     """Read a checkpoint file (or a run folder's `prefer` checkpoint) onto the CPU."""
     file = resolve_checkpoint(path, prefer)
@@ -128,6 +156,9 @@ def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{file} is not a gptlab checkpoint (format {metadata.get('format')!r})")
     train_config = json.loads(metadata["train_config"])
+    name = metadata.get("architecture", "decoder")  # files from before encoder-decoders name none
+    if name not in ARCHITECTURES:
+        raise ValueError(f"{file} holds a {name!r} model, which this version of gptlab cannot build")
     optimizer: dict[str, dict[str, torch.Tensor]] | None = None
     if json.loads(metadata["has_optimizer"]):
         optimizer = {}
@@ -135,7 +166,7 @@ def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
             param, _, slot = key.rpartition("/")
             optimizer.setdefault(param, {})[slot] = tensor
     return Checkpoint(
-        model_config=ModelConfig.from_dict(json.loads(metadata["model_config"])),
+        model_config=ARCHITECTURES[name][0].from_dict(json.loads(metadata["model_config"])),
         tokenizer=json.loads(metadata["tokenizer"]),
         model_state=groups["model"],
         train_config=TrainConfig.from_dict(train_config) if train_config else None,
@@ -145,10 +176,24 @@ def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
     )
 
 
+HOLDS = {"decoder": "a decoder-only language model: use the language-model commands (train, sample, ...)",
+         "encoder-decoder": "an encoder-decoder (seq2seq) model: use the `gptlab seq2seq` commands"}
+
+
+def require_architecture(found: str, path: str | Path, expect: str) -> None:
+    """A ValueError saying which commands to use when `path` holds another architecture than `expect`."""
+    if found != expect:
+        raise ValueError(f"{path} holds {HOLDS[found]}")
+
+
 def load_run(
-    path: str | Path, device: torch.device | str = "cpu", prefer: str = BEST
-) -> tuple[GPT, Tokenizer]:
-    """The model (in eval mode, on `device`) and tokenizer of a run folder or checkpoint file."""
+    path: str | Path, device: torch.device | str = "cpu", prefer: str = BEST, expect: str = "decoder"
+) -> tuple[GPT | EncoderDecoder, Tokenizer]:
+    """The model (in eval mode, on `device`) and tokenizer of a run folder or checkpoint file.
+
+    `expect` names the architecture the caller can use; another one is a ValueError saying what to run.
+    """
     checkpoint = load_checkpoint(path, prefer)
+    require_architecture(architecture(checkpoint.model_config), path, expect)
     model = checkpoint.build_model().to(device).eval()
     return model, tokenizer_from_dict(checkpoint.tokenizer)

@@ -214,3 +214,49 @@ class TrainConfig(Config):
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{owner}.{name}={getattr(self, name)} must be in [0, 1)")
+
+
+@dataclass
+class Seq2SeqConfig(ModelConfig):
+    """An encoder-decoder built from the same blocks: the decoder's fields are ModelConfig's, and the
+    encoder copies them with its own depth and without the causal mask. One vocabulary and one
+    token embedding serve sources and targets; `block_size` bounds both lengths."""
+
+    n_encoder_layer: int = option(2, "encoder blocks (n_layer counts the decoder's)")
+    pad_id: int = option(0, "token id that pads sources and targets to a common length")
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive("Seq2SeqConfig", n_encoder_layer=self.n_encoder_layer)
+        if not self.causal:
+            raise ValueError("Seq2SeqConfig.causal=False: the decoder must stay causal; only the encoder "
+                             "is unmasked, and it is by construction")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"Seq2SeqConfig.pad_id={self.pad_id} is outside the vocabulary "
+                             f"0..{self.vocab_size - 1}")
+
+    def encoder_config(self) -> ModelConfig:
+        """The encoder's blocks: the same options, n_encoder_layer deep, attending in both directions."""
+        fields = {name: getattr(self, name) for name in ModelConfig.field_names()}
+        return ModelConfig.from_dict({**fields, "n_layer": self.n_encoder_layer, "causal": False})
+
+
+TASKS = ("reverse", "sort", "add")
+
+
+@dataclass
+class TaskConfig(Config):
+    """A built-in sequence-to-sequence task, generated on the fly (see gptlab.tasks)."""
+
+    task: str = option("reverse", "reverse a string of letters, sort digits, or add two numbers", TASKS)
+    min_len: int = option(1, "shortest source: letters or digits (add: digits per number)")
+    max_len: int = option(12, "longest source: letters or digits (add: digits per number)")
+    eval_examples: int = option(1000, "held-out examples decoded at each evaluation for exact match")
+
+    def validate(self) -> None:
+        check_choice("TaskConfig", "task", self.task, TASKS)
+        check_positive("TaskConfig", min_len=self.min_len, max_len=self.max_len,
+                       eval_examples=self.eval_examples)
+        if self.min_len > self.max_len:
+            raise ValueError(f"TaskConfig.min_len={self.min_len} is above max_len={self.max_len}: "
+                             "lower min_len or raise max_len")

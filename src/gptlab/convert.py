@@ -34,9 +34,11 @@ from safetensors.torch import load_file, save_file
 from gptlab.checkpoint import (
     BEST,
     Checkpoint,
+    architecture,
     atomic_write,
     load_checkpoint,
     model_tensors,
+    require_architecture,
     save_checkpoint,
 )
 from gptlab.config import ModelConfig
@@ -348,6 +350,7 @@ def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
 
     checkpoint = load_checkpoint(run)
     config = checkpoint.model_config
+    require_architecture(architecture(config), run, "decoder")  # GPT-2 is a decoder-only model
     check_exportable(config)
     out_dir = _new_folder(out_dir)
     tensors = to_gpt2_state(checkpoint.model_state, config)

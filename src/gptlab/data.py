@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from gptlab.metrics import perplexity
 from gptlab.tokenizer import (
     Tokenizer,
     check_tokenizer_args,
@@ -455,6 +457,18 @@ class TokenData:
                 f"{block_size + 1}: prepare more text or choose a smaller --block-size"
             )
         return data
+
+    metric_names = ("val_perplexity", "val_bits_per_char")
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps to find this folder again."""
+        return {"data_dir": str(self.data_dir)}
+
+    def metrics(self, model: torch.nn.Module, losses: dict[str, float], seed: int,
+                device: torch.device) -> dict[str, float | str]:
+        """Perplexity, and bits per character for a char tokenizer (one token per character)."""
+        bpc = losses["val"] / math.log(2) if self.tokenizer.kind == "char" else ""
+        return {"val_perplexity": perplexity(losses["val"]), "val_bits_per_char": bpc}
 
     def get_batch(
         self, split: str, batch_size: int, block_size: int, generator: torch.Generator

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from gptlab.common import resolve_device
+from gptlab.model import Block
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ def wrap(model: nn.Module, parallel: str, info: Dist, device: torch.device) -> n
     if parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.transformer.h:  # one shard group per block, the rest at the root
-            fully_shard(block)
+        for block in [m for m in model.modules() if isinstance(m, Block)]:  # a shard group per block,
+            fully_shard(block)  # the rest at the root
         return fully_shard(model)
     device_ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
@@ -115,9 +116,13 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (an FSDP2 model is its own module, sharded in place)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
 def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return inner.named_parameters()
+    return unwrap(model).named_parameters()
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -126,8 +131,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every weight as a full CPU tensor (a collective call under FSDP: every rank must make it)."""
-    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    return {name: _full(t) for name, t in inner.state_dict().items()}
+    return {name: _full(t) for name, t in unwrap(model).state_dict().items()}
 
 
 def full_optimizer_state(

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from gptlab.config import ModelConfig
+from gptlab.encoder_decoder import EncoderDecoder
 from gptlab.model import GPT, KVCache
 from gptlab.tokenizer import Tokenizer
 
@@ -251,3 +252,28 @@ def held_back(text: str, stop: Sequence[str]) -> int:
         starts = (k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k]))
         held = max(held, next(starts, 0))
     return held
+
+
+@torch.no_grad()
+def greedy_answers(model: EncoderDecoder, sources: torch.Tensor, bos_id: int, eos_id: int,
+                   use_cache: bool = True) -> list[list[int]]:
+    """The encoder-decoder's greedy answer to each padded source (B, S), up to (without) its <eos>.
+
+    The source is encoded once, with every decoder layer's cross-attention keys and values. With
+    `use_cache` the decoder's self-attention keeps its keys and values in a KVCache and each step
+    feeds one token per row; without it every step recomputes the whole answer so far (the reference).
+    Answers stop at <eos> or when the decoder's window (block_size inputs) is full.
+    """
+    source = model.encode(sources)
+    cache = KVCache(model.config, sources.size(0), device=sources.device,
+                    dtype=source.memory.dtype) if use_cache else None
+    tokens = torch.full((sources.size(0), 1), bos_id, dtype=torch.long, device=sources.device)  # (B, 1)
+    done = torch.zeros(sources.size(0), dtype=torch.bool, device=sources.device)  # (B,)
+    while tokens.size(1) <= model.config.block_size and not done.all():
+        fed = tokens[:, -1:] if use_cache else tokens  # the cache holds every earlier position
+        logits = model.decode(fed, source, cache, last_only=True)  # (B, 1, V)
+        new = logits[:, -1].argmax(dim=-1).masked_fill(done, eos_id)  # finished rows repeat <eos>
+        tokens = torch.cat([tokens, new[:, None]], dim=1)  # (B, t + 1)
+        done |= new == eos_id
+    rows = tokens[:, 1:].tolist()
+    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]

@@ -6,26 +6,27 @@ import csv
 import math
 from pathlib import Path
 
-COLUMNS = ("step", "train_loss", "val_loss", "val_perplexity", "val_bits_per_char", "lr", "tokens_per_s",
-           "elapsed_s")
-
 
 class MetricsLog:
-    """Appends evaluation rows to `metrics.csv`; on resume, forgets rows after the resumed step."""
+    """Appends evaluation rows to `metrics.csv`; on resume, forgets rows after the resumed step.
 
-    def __init__(self, path: Path, resume_step: int | None = None) -> None:
+    Columns: step, the two losses, the data source's own metrics (`extra`), lr, throughput, time.
+    """
+
+    def __init__(self, path: Path, extra: tuple[str, ...] = (), resume_step: int | None = None) -> None:
         self.path = path
+        self.columns = ("step", "train_loss", "val_loss", *extra, "lr", "tokens_per_s", "elapsed_s")
         rows = []
         if resume_step is not None and path.exists():
             rows = [row for row in self.read() if int(row["step"]) <= resume_step]
         with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer = csv.DictWriter(f, fieldnames=self.columns)
             writer.writeheader()
             writer.writerows(rows)
 
     def append(self, **values: float) -> None:
         with self.path.open("a", newline="") as f:
-            csv.DictWriter(f, fieldnames=COLUMNS).writerow({k: values.get(k, "") for k in COLUMNS})
+            csv.DictWriter(f, fieldnames=self.columns).writerow({k: values.get(k, "") for k in self.columns})
 
     def read(self) -> list[dict[str, str]]:
         with self.path.open(newline="") as f:

@@ -307,6 +307,18 @@ class KVCache:
 # §4: multi-head self-attention with one fused projection W_QKV (D -> 3D) and W_O (D -> D)
 
 
+def split_heads(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """(B, T, D) -> (B, H, T, hs): §4.2's view and transpose, giving each head its own hs features."""
+    B, T, D = x.shape
+    return x.view(B, T, n_head, D // n_head).transpose(1, 2)
+
+
+def merge_heads(y: torch.Tensor) -> torch.Tensor:
+    """(B, H, T, hs) -> (B, T, D): concatenate the heads' answers, ready for W_O."""
+    B, H, T, hs = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * hs)
+
+
 class CausalSelfAttention(nn.Module):
     """H heads of width hs = D / H, each with its own routing; outputs concatenated, then W_O."""
 
@@ -326,27 +338,34 @@ class CausalSelfAttention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of every head, each (B, H, T, hs), as in §4.2."""
-        B, T, D = x.shape
-        q, k, v = self.c_attn(x).split(D, dim=2)  # 3 x (B, T, D): one matmul, three feature groups
-        q, k, v = (t.view(B, T, self.n_head, D // self.n_head).transpose(1, 2) for t in (q, k, v))
-        return self.rotate(q, positions), self.rotate(k, positions), v  # (B, H, T, hs) each
+        q, k, v = self.c_attn(x).split(x.size(-1), dim=2)  # 3 x (B, T, D): one matmul, three groups
+        q, k, v = (split_heads(t, self.n_head) for t in (q, k, v))  # (B, H, T, hs) each
+        return self.rotate(q, positions), self.rotate(k, positions), v
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:  # (B, T, D) -> same
-        B, T, D = x.shape
+    def full_mask(self, mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """§7.3's causal mask (T, T) when this attention is causal, and-ed with a padding mask if given."""
+        causal = causal_mask(x.size(1), x.size(1), x.device) if self.causal else None
+        if mask is None or causal is None:
+            return causal if mask is None else mask
+        return mask & causal  # (B, 1, T, T)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, D) -> same
+        """`mask` (B, 1, 1, T), True for real tokens, hides an encoder's padded keys."""
         q, k, v = self.project(x, None if cache is None else cache.positions)
-        if cache is None:
-            y = self.kernel(q, k, v, self.causal)  # (B, H, T, hs)
-        else:  # generation: the new queries against every held key, under the cache's mask
+        if cache is not None:  # generation: the new queries against every held key, under the cache's mask
             keys, values = cache.update(self.layer, k, v)  # (B, H, S, hs) each
             y = self.masked_kernel(q, keys, values, cache.mask)  # (B, H, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, D)  # concatenate the heads' answers: (B, T, D)
-        return self.c_proj(y)
+        elif mask is not None:  # padded sequences: keys of padding tokens take no part
+            y = self.masked_kernel(q, k, v, self.full_mask(mask, x))  # (B, H, T, hs)
+        else:
+            y = self.kernel(q, k, v, self.causal)  # (B, H, T, hs)
+        return self.c_proj(merge_heads(y))
 
-    def attention_weights(self, x: torch.Tensor) -> torch.Tensor:
+    def attention_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The weights a of every head, (B, H, T, T), recomputed explicitly whatever the kernel."""
         q, k, _ = self.project(x)
-        mask = causal_mask(q.size(-2), k.size(-2), q.device) if self.causal else None
-        return masked_softmax(attention_scores(q, k), mask)
+        return masked_softmax(attention_scores(q, k), self.full_mask(mask, x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,12 +384,17 @@ class Block(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.prenorm = config.arrangement == "pre"
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:  # (B, T, D) -> same
-        if self.prenorm:  # x + g(LN(x)): an explicit identity path through every update
-            x = x + self.drop(self.attn(self.ln_1(x), cache))
-            return x + self.drop(self.mlp(self.ln_2(x)))
-        x = self.ln_1(x + self.drop(self.attn(x, cache)))  # post-norm: LN(x + g(x))
-        return self.ln_2(x + self.drop(self.mlp(x)))
+    def residual(self, x: torch.Tensor, norm: nn.Module,
+                 update: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:  # (B, T, D) -> same
+        """Add one sublayer g: pre-norm x + g(LN(x)), an explicit identity path; post-norm LN(x + g(x))."""
+        if self.prenorm:
+            return x + self.drop(update(norm(x)))
+        return norm(x + self.drop(update(x)))
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, D) -> same
+        x = self.residual(x, self.ln_1, lambda h: self.attn(h, cache, mask))  # mix positions
+        return self.residual(x, self.ln_2, self.mlp)  # transform each position's features
 
 
 # ---------------------------------------------------------------------------------------------
@@ -395,7 +419,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tied:  # logits = h E^T: the head *is* the embedding tensor (§6)
             self.lm_head.weight = self.transformer.wte.weight
-        self.apply(_init_weights)
+        self.apply(init_weights)
         # GPT-2 scales the projections that write into the residual stream by depth, so the
         # stream's variance does not grow with the number of blocks.
         for name, param in self.named_parameters():
@@ -436,17 +460,19 @@ class GPT(nn.Module):
         """
         positions = None if cache is None else cache.advance(idx.size(1))  # (B, T)
         logits = self.forward_embeddings(self.embed(idx, positions), cache, last_only)  # (B, T, V)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
-        return logits, loss
+        return logits, None if targets is None else next_token_loss(logits, targets)
 
     def num_parameters(self) -> int:
         """Trainable parameters, counting a tied embedding/head tensor once."""
         return sum(p.numel() for p in self.parameters())
 
 
-def _init_weights(module: nn.Module) -> None:
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (B, T, V) against targets (B, T), skipping targets of -1 (§7.2)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+
+
+def init_weights(module: nn.Module) -> None:
     """GPT-2's initialisation: N(0, 0.02) weights, zero biases (PyTorch's defaults hit CPU denormals)."""
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)

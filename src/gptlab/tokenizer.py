@@ -203,6 +203,37 @@ class GPT2Tokenizer(Tokenizer):
         return self._encoding.decode(self._checked_ids(ids), errors="replace")
 
 
+class SymbolTokenizer(Tokenizer):
+    """A fixed list of symbols, special tokens first (the built-in seq2seq tasks' vocabulary).
+
+    Text is read one character per symbol; special tokens such as "<eos>" are only ever produced by
+    code, never parsed from text, so a user's input cannot smuggle one in.
+    """
+
+    kind = "symbols"
+
+    def __init__(self, specials: Sequence[str], chars: str) -> None:
+        if len(set(chars)) != len(chars) or any(len(c) == 1 for c in specials):
+            raise ValueError("symbols must be distinct characters after multi-character special tokens")
+        self.specials, self.chars = list(specials), chars
+        self.symbols = self.specials + list(chars)
+        self.vocab_size = len(self.symbols)
+        self.eot_id = self.symbols.index("<eos>") if "<eos>" in self.specials else None
+        self._ids = {c: len(self.specials) + i for i, c in enumerate(chars)}
+
+    def encode(self, text: str) -> list[int]:
+        bad = next((c for c in text if c not in self._ids), None)
+        if bad is not None:
+            raise ValueError(f"character {bad!r} is not in this vocabulary: use only {self.chars!r}")
+        return [self._ids[c] for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.symbols[i] for i in self._checked_ids(ids))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "specials": self.specials, "chars": self.chars}
+
+
 def _load_gpt2_encoding() -> Any:
     """tiktoken's "gpt2" encoding, or a ValueError that says what is missing and how to get it."""
     try:
@@ -269,8 +300,11 @@ def train_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Toke
 def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
     """Rebuild the tokenizer that `Tokenizer.to_dict()` described (for example from a checkpoint)."""
     kind = d.get("kind") if isinstance(d, dict) else None
-    if kind not in TOKENIZERS:
-        raise ValueError(f"not a saved tokenizer: kind={kind!r} is not one of {', '.join(TOKENIZERS)}")
+    if kind not in (*TOKENIZERS, SymbolTokenizer.kind):
+        known = ", ".join((*TOKENIZERS, SymbolTokenizer.kind))
+        raise ValueError(f"not a saved tokenizer: kind={kind!r} is not one of {known}")
+    if kind == SymbolTokenizer.kind:
+        return SymbolTokenizer(d["specials"], d["chars"])
     field = {"char": "chars", "bpe": "json"}.get(kind)
     if field is not None and not isinstance(d.get(field), str):
         raise ValueError(f"saved {kind} tokenizer lacks its {field!r} string: the tokenizer file is damaged")

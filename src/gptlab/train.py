@@ -6,6 +6,10 @@ accumulation, bfloat16 autocast where it is faster. A run folder holds `config.j
 the step and every random state, so N steps in one go and N/2 + resume + N/2 give identical weights.
 Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once.
 
+The loop is the same for both architectures: its data source (`TrainingData`) is a prepared text
+folder for the decoder-only model or a built-in task (gptlab.tasks) for the encoder-decoder; a batch
+is the model's inputs followed by its targets, and the source adds its own metrics to each evaluation.
+
 Under torchrun every process runs this same loop (see distributed.py): each step draws one global
 batch of `batch_size` windows from the shared sampler and each rank trains on its own slice, so the
 run computes what one process with the whole batch would, and only rank 0 logs and writes files.
@@ -22,20 +26,55 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from gptlab import distributed
-from gptlab.checkpoint import BEST, LAST, Checkpoint, atomic_write, load_checkpoint, save_checkpoint
+from gptlab.checkpoint import (
+    BEST,
+    LAST,
+    Checkpoint,
+    architecture,
+    atomic_write,
+    load_checkpoint,
+    new_model,
+    require_architecture,
+    save_checkpoint,
+)
 from gptlab.common import autocast, resolve_precision, seed_everything
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.data import TokenData
-from gptlab.metrics import MetricsLog, perplexity, plot_losses
-from gptlab.model import GPT
+from gptlab.metrics import MetricsLog, plot_losses
+from gptlab.tasks import TaskData
+from gptlab.tokenizer import Tokenizer
 
 log = logging.getLogger("gptlab.train")
+
+
+class TrainingData(Protocol):
+    """What the loop needs of its examples (TokenData for text, TaskData for a seq2seq task)."""
+
+    tokenizer: Tokenizer
+    metric_names: tuple[str, ...]  # the columns `metrics` adds to metrics.csv
+
+    def check_window(self, block_size: int) -> None: ...
+
+    def get_batch(self, split: str, batch_size: int, block_size: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+        """The model's inputs, then its targets (-1 where nothing is scored); all (batch_size, ...)."""
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps to rebuild this data source (see `data_from_state`)."""
+
+    def metrics(self, model: torch.nn.Module, losses: dict[str, float], seed: int,
+                device: torch.device) -> dict[str, float | str]: ...
+
+
+def data_from_state(state: dict[str, Any]) -> TrainingData:
+    """The data source a checkpoint was trained on."""
+    return TaskData(TaskConfig.from_dict(state["task"])) if "task" in state else TokenData(state["data_dir"])
 
 
 class TrainingDiverged(ValueError):
@@ -77,7 +116,7 @@ def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.A
 
 
 @torch.no_grad()
-def estimate_losses(model: torch.nn.Module, data: TokenData, config: TrainConfig, block_size: int,
+def estimate_losses(model: torch.nn.Module, data: TrainingData, config: TrainConfig, block_size: int,
                     device: torch.device, dtype: torch.dtype) -> dict[str, float]:
     """Mean loss on the same `eval_batches` random windows of each split at every evaluation."""
     model.eval()
@@ -86,9 +125,9 @@ def estimate_losses(model: torch.nn.Module, data: TokenData, config: TrainConfig
     for split in ("train", "val"):
         total = 0.0
         for _ in range(config.eval_batches):
-            x, y = data.get_batch(split, config.batch_size, block_size, generator)
+            batch = data.get_batch(split, config.batch_size, block_size, generator)
             with autocast(device, dtype):
-                _, loss = model(x.to(device), y.to(device))
+                _, loss = model(*(t.to(device) for t in batch))
             total += loss.item()
         losses[split] = total / config.eval_batches
     model.train()
@@ -122,8 +161,8 @@ class StopOnInterrupt:
 class Trainer:
     """One training run: the model, optimiser, data stream and counters, restorable from a checkpoint."""
 
-    def __init__(self, run_dir: Path, data: TokenData, model_config: ModelConfig, train_config: TrainConfig,
-                 checkpoint: Checkpoint | None = None, progress: bool = True,
+    def __init__(self, run_dir: Path, data: TrainingData, model_config: ModelConfig,
+                 train_config: TrainConfig, checkpoint: Checkpoint | None = None, progress: bool = True,
                  init_from: Checkpoint | None = None) -> None:
         """`checkpoint` resumes a run exactly; `init_from` only supplies starting weights (fine-tuning)."""
         self.run_dir, self.data = run_dir, data
@@ -139,7 +178,7 @@ class Trainer:
         self.rows = slice(self.dist.rank * share, (self.dist.rank + 1) * share)  # this rank's windows
         self.dtype = resolve_precision(train_config.precision, self.device, model_config.n_embd)
         seed_everything(train_config.seed)
-        model = GPT(model_config)
+        model = new_model(model_config)
         if (checkpoint or init_from) is not None:
             model.load_state_dict((checkpoint or init_from).build_model().state_dict())
         self.model = distributed.wrap(model.to(self.device), train_config.parallel, self.dist, self.device)
@@ -152,11 +191,12 @@ class Trainer:
         if self.dist.rank:  # other ranks draw their own dropout masks
             torch.manual_seed(train_config.seed + 7919 * self.dist.rank + self.step)
         self.forward_model = torch.compile(self.model) if train_config.compile else self.model
-        self.metrics = (MetricsLog(run_dir / "metrics.csv", resume_step=self.step if checkpoint else None)
+        resume_step = self.step if checkpoint else None
+        self.metrics = (MetricsLog(run_dir / "metrics.csv", data.metric_names, resume_step)
                         if self.dist.is_main else None)
-        self.tokens_per_step = train_config.batch_size * train_config.grad_accum * model_config.block_size
         log.info(f"{model.num_parameters():,} parameters on {self.device} in "
-                 f"{str(self.dtype).removeprefix('torch.')}, {self.tokens_per_step:,} tokens per step, "
+                 f"{str(self.dtype).removeprefix('torch.')}, "
+                 f"{train_config.batch_size * train_config.grad_accum:,} sequences per step, "
                  f"{self.dist.world_size} process(es), from step {self.step} to {train_config.max_steps}")
 
     def _restore(self, checkpoint: Checkpoint) -> None:
@@ -177,8 +217,7 @@ class Trainer:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"step": self.step, "best_val_loss": self.best_val, "last_val_loss": self.last_val,
-                 "train_time_s": self.train_time, "tokens_seen": self.tokens_seen,
-                 "data_dir": str(self.data.data_dir)}
+                 "train_time_s": self.train_time, "tokens_seen": self.tokens_seen, **self.data.state()}
         weights = distributed.full_model_state(self.model)
         if self.model_config.tied:  # stored once, as the embedding
             del weights["lm_head.weight"]
@@ -191,18 +230,24 @@ class Trainer:
         lr = learning_rate(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        # The step's loss is the mean over every scored target of its micro-batches, on all ranks.
+        # Padded (seq2seq) batches score different numbers of targets per slice, so each slice's mean
+        # is weighted by its share of them; DDP's averaging over ranks is undone by the world size.
+        batches = [self.data.get_batch("train", cfg.batch_size, self.model_config.block_size, self.batches)
+                   for _ in range(cfg.grad_accum)]
+        scored = sum(int((batch[-1] != -1).sum()) for batch in batches)  # over every rank's rows
+        self.tokens_seen += scored
         total = 0.0
-        for micro in range(cfg.grad_accum):
-            x, y = self.data.get_batch("train", cfg.batch_size, self.model_config.block_size, self.batches)
-            x, y = x[self.rows].to(self.device), y[self.rows].to(self.device)  # this rank's share
+        for micro, batch in enumerate(batches):
+            batch = [t[self.rows].to(self.device) for t in batch]  # this rank's share
+            share = int((batch[-1] != -1).sum()) / scored
             with distributed.gradient_sync(self.model, micro == cfg.grad_accum - 1):
                 with autocast(self.device, self.dtype):
-                    _, loss = self.forward_model(x, y)
-                (loss / cfg.grad_accum).backward()
-            total += loss.item() / cfg.grad_accum
+                    _, loss = self.forward_model(*batch)
+                (loss * (share * self.dist.world_size)).backward()
+            total += loss.item() * share
         # One small all-reduce: every rank sees the same mean loss and the same decision to stop.
         total, stops = distributed.all_reduce_sum([total, float(stop_requested)], self.device)
-        total /= self.dist.world_size
         if not math.isfinite(total):
             raise TrainingDiverged(
                 f"the training loss became {total} at step {self.step}; stopped without saving, so "
@@ -225,15 +270,18 @@ class Trainer:
         checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
         if self.metrics is None:
             return
-        bpc = losses["val"] / math.log(2) if self.data.tokenizer.kind == "char" else ""
+        self.model.eval()
+        extra = self.data.metrics(distributed.unwrap(self.model), losses, self.config.seed + 2, self.device)
+        self.model.train()
         self.metrics.append(
-            step=self.step, train_loss=losses["train"], val_loss=losses["val"],
-            val_perplexity=perplexity(losses["val"]), val_bits_per_char=bpc,
+            step=self.step, train_loss=losses["train"], val_loss=losses["val"], **extra,
             lr=learning_rate(self.step, self.config), tokens_per_s=self.tokens_per_s(),
             elapsed_s=self.train_time,
         )
-        log.info(f"step {self.step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f} "
-                 f"(perplexity {perplexity(losses['val']):.2f})")
+        shown = ", ".join(f"{name.removeprefix('val_').replace('_', ' ')} {value:.4g}"
+                          for name, value in extra.items() if value != "")
+        log.info(f"step {self.step}: train loss {losses['train']:.4f}, "
+                 f"val loss {losses['val']:.4f} ({shown})")
         if improved:
             save_checkpoint(self.run_dir / BEST, checkpoint)
         save_checkpoint(self.run_dir / LAST, checkpoint)
@@ -254,7 +302,6 @@ class Trainer:
                 started = time.perf_counter()
                 loss, stopping = self.train_step(stop.requested)
                 self.train_time += time.perf_counter() - started
-                self.tokens_seen += self.tokens_per_step
                 self.step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
@@ -283,26 +330,49 @@ def train(run_dir: str | Path, data_dir: str | Path, model_config: ModelConfig, 
     data = TokenData(data_dir)
     start = load_checkpoint(init_from) if init_from is not None else None
     if start is not None:
+        require_architecture(architecture(start.model_config), init_from, "decoder")
         if data.tokenizer.to_dict() != start.tokenizer:
             raise ValueError(f"{data_dir} was prepared with another tokenizer than {init_from}'s: prepare "
                              "the text through `gptlab train --init-from`, which uses the checkpoint's")
         model_config = start.model_config
     model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size)
+    return start_run(run_dir, data, model_config, train_config, stop_at, progress, start)
+
+
+def train_seq2seq(run_dir: str | Path, task_config: TaskConfig, model_config: Seq2SeqConfig,
+                  train_config: TrainConfig, *, stop_at: int | None = None,
+                  progress: bool = True) -> TrainResult:
+    """Start a new encoder-decoder run in `run_dir` on a built-in task; the vocabulary is the task's."""
+    run_dir = Path(run_dir)
+    if (run_dir / LAST).exists():
+        raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
+    if train_config.parallel == "fsdp":
+        raise ValueError("--parallel fsdp is not offered for seq2seq runs (exact-match decoding needs the "
+                         "whole model on each process): use --parallel ddp")
+    data = TaskData(task_config)
+    model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size, pad_id=0)
+    return start_run(run_dir, data, model_config, train_config, stop_at, progress)
+
+
+def start_run(run_dir: Path, data: TrainingData, model_config: ModelConfig, train_config: TrainConfig,
+              stop_at: int | None, progress: bool, init_from: Checkpoint | None = None) -> TrainResult:
+    """Check the window, write config.json (rank 0), and train."""
     data.check_window(model_config.block_size)
     info, _ = distributed.setup(train_config.device)
     if info.is_main:
         write_run_config(run_dir, model_config, train_config, data)
-    return Trainer(run_dir, data, model_config, train_config, progress=progress, init_from=start).run(stop_at)
+    trainer = Trainer(run_dir, data, model_config, train_config, progress=progress, init_from=init_from)
+    return trainer.run(stop_at)
 
 
 def write_run_config(run_dir: Path, model_config: ModelConfig, train_config: TrainConfig,
-                     data: TokenData) -> None:
+                     data: TrainingData) -> None:
     """The resolved settings as readable JSON beside the checkpoints."""
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = {
         "model": model_config.to_dict(),
         "train": train_config.to_dict(),
-        "data_dir": str(data.data_dir),
+        **data.state(),
     }
     atomic_write(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(resolved, indent=2) + "\n"))
 
@@ -314,6 +384,6 @@ def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = 
     if checkpoint.train_config is None or checkpoint.optimizer_state is None:
         raise ValueError(f"{run_dir} holds weights but no training state (an imported model?): "
                          "there is nothing to resume; start a new run instead")
-    data = TokenData(checkpoint.state["data_dir"])
+    data = data_from_state(checkpoint.state)
     trainer = Trainer(run_dir, data, checkpoint.model_config, checkpoint.train_config, checkpoint, progress)
     return trainer.run(stop_at)

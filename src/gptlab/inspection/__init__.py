@@ -3,6 +3,7 @@
 - `hooks`: named hook points on intermediate values, registered by a context manager that always
   removes them; attention weights recomputed beside the fast kernel, for the layers and heads asked for.
 - `attention_view`: attention weights of a prompt as a PNG grid or an interactive, offline HTML page.
+- `cross_attention`: an encoder-decoder's cross-attention: where each answer token read the source.
 - `interventions`: remove heads or edit the prompt, and measure the prediction (the causal test).
 - `verify`: the handout's properties measured on a trained model.
 """
@@ -12,6 +13,11 @@ from gptlab.inspection.attention_view import (
     attention_maps,
     save_attention_html,
     save_attention_png,
+)
+from gptlab.inspection.cross_attention import (
+    CrossAttentionMaps,
+    cross_attention_maps,
+    save_cross_attention_png,
 )
 from gptlab.inspection.hooks import hook_points, hooked, recompute_attention, record
 from gptlab.inspection.interventions import (
@@ -28,11 +34,13 @@ from gptlab.inspection.verify import Property, verify_model
 __all__ = [
     "Ablation",
     "AttentionMaps",
+    "CrossAttentionMaps",
     "HeadEffect",
     "Intervention",
     "Property",
     "ablate_heads",
     "attention_maps",
+    "cross_attention_maps",
     "edit_tokens",
     "hook_points",
     "hooked",
@@ -42,5 +50,6 @@ __all__ = [
     "save_ablation_png",
     "save_attention_html",
     "save_attention_png",
+    "save_cross_attention_png",
     "verify_model",
 ]

@@ -70,28 +70,38 @@ def attention_maps(model: GPT, tokenizer: Tokenizer, prompt: str, ids: Sequence[
 
 def save_attention_png(maps: AttentionMaps, path: str | Path) -> None:
     """Draw a layers x heads grid of heatmaps with token labels on both axes (matplotlib's Agg backend)."""
+    draw_grid(maps.weights, maps.labels, maps.labels, maps.layers, maps.heads,
+              f"attention weights for {maps.prompt!r}", path)
+
+
+def draw_grid(weights: torch.Tensor, query_labels: Sequence[str], key_labels: Sequence[str],
+              layers: Sequence[int], heads: Sequence[int], title: str, path: str | Path,
+              axes_names: tuple[str, str] = ("query (attending)", "key (attended to)")) -> None:
+    """A PNG grid of heatmaps of weights (L', H', Tq, Tk): layers down, heads across, tokens on the axes."""
     from matplotlib.figure import Figure
 
-    n_rows, n_cols, T = len(maps.layers), len(maps.heads), len(maps.labels)
-    side = max(2.4, INCHES_PER_TOKEN * T)  # one heatmap's side, in inches
-    fig = Figure(figsize=(n_cols * side + 1.4, n_rows * side + 1.0), dpi=100, layout="constrained")
+    n_rows, n_cols = len(layers), len(heads)
+    width = max(2.4, INCHES_PER_TOKEN * len(key_labels))  # one heatmap's size, in inches
+    height = max(2.4, INCHES_PER_TOKEN * len(query_labels))
+    fig = Figure(figsize=(n_cols * width + 1.4, n_rows * height + 1.0), dpi=100, layout="constrained")
     axes = fig.subplots(n_rows, n_cols, squeeze=False)
     image = None
-    for r, layer in enumerate(maps.layers):
-        for c, head in enumerate(maps.heads):
+    for r, layer in enumerate(layers):
+        for c, head in enumerate(heads):
             ax = axes[r][c]
-            image = ax.imshow(maps.weights[r, c].numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
+            image = ax.imshow(weights[r, c].numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
             ax.set_title(f"layer {layer}, head {head}", fontsize=9)
             # Queries label every row of the left column, keys every column of the bottom row.
-            ax.set_yticks(range(T), maps.labels if c == 0 else [], fontsize=7, fontfamily="monospace")
-            ax.set_xticks(range(T), maps.labels if r == n_rows - 1 else [], fontsize=7,
+            ax.set_yticks(range(len(query_labels)), query_labels if c == 0 else [], fontsize=7,
+                          fontfamily="monospace")
+            ax.set_xticks(range(len(key_labels)), key_labels if r == n_rows - 1 else [], fontsize=7,
                           fontfamily="monospace", rotation=90)
             ax.tick_params(length=0)
-        axes[r][0].set_ylabel("query (attending)", fontsize=8)
+        axes[r][0].set_ylabel(axes_names[0], fontsize=8)
     for ax in axes[-1]:
-        ax.set_xlabel("key (attended to)", fontsize=8)
+        ax.set_xlabel(axes_names[1], fontsize=8)
     fig.colorbar(image, ax=axes, shrink=min(0.8, 3.0 / n_rows + 0.2), label="attention weight")
-    fig.suptitle(f"attention weights for {maps.prompt!r}", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, format="png")
 
 

@@ -1,0 +1,80 @@
+"""Helpers shared by the command groups: logging above progress bars and config-field options."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from gptlab.config import Config
+
+
+class TqdmHandler(logging.Handler):
+    """Print log records above any progress bar instead of through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm.auto import tqdm
+
+        tqdm.write(self.format(record), file=sys.stdout)
+        sys.stdout.flush()  # show progress promptly when stdout is a file or a pipe
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Config], title: str,
+                         exclude: Sequence[str] = (), defaults: Mapping[str, str] | None = None) -> None:
+    """Add one `--field-name VALUE` option per config field; only options the user gives are kept.
+
+    `defaults` replaces the default shown in the help of the fields a preset sets.
+    """
+    group = parser.add_argument_group(title)
+    hints = typing.get_type_hints(config_cls)
+    for field in dataclasses.fields(config_cls):
+        if field.name in exclude:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        kind = hints[field.name]
+        shown = (defaults or {}).get(field.name, field.default)
+        help_text = f"{field.metadata.get('help', '')} (default: {shown})"
+        if kind is bool:
+            group.add_argument(
+                flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS, help=help_text,
+            )
+        else:
+            choices = field.metadata.get("choices")
+            group.add_argument(
+                flag, dest=field.name, type=kind, choices=choices,
+                metavar="{" + ",".join(choices) + "}" if choices else kind.__name__.upper(),
+                default=argparse.SUPPRESS, help=help_text,
+            )
+
+
+def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict[str, Any]:
+    """The config fields the user set on the command line."""
+    return {name: getattr(args, name) for name in config_cls.field_names() if hasattr(args, name)}
+
+
+def print_configs(configs: Mapping[str, Config], hidden: Sequence[str] = ()) -> None:
+    """One `name: field=value, ...` line per config, leaving out the fields gptlab sets itself."""
+    for name, config in configs.items():
+        print(f"{name}:", ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if k not in hidden))
+
+
+def report_run(result: Any, out: Path) -> None:
+    """Where a training run stopped, its best validation loss and speed, and what its folder holds."""
+    state = "interrupted at" if result.interrupted else "finished at"
+    print(f"\n{state} step {result.step}: best validation loss {result.best_val_loss:.4f}, "
+          f"{result.tokens_per_s:,.0f} tokens/s, {result.elapsed_s:.0f} s of training")
+    print(f"run folder: {out} (best.safetensors, last.safetensors, metrics.csv, loss.png)")
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """--resume and --stop-at, shared by the training commands."""
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from last.safetensors")
+    parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop (and save) at this step, keeping "
+                        "the schedule of the full run; resume later with --resume")

@@ -1,0 +1,324 @@
+"""The lab / model / prepare / train / eval / sample commands: build, train and use text models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gptlab.cli.common import (
+    add_config_arguments,
+    add_run_options,
+    config_overrides,
+    print_configs,
+    report_run,
+)
+from gptlab.config import ModelConfig, TrainConfig
+
+EVAL_TOKENS = 2**18  # the final evaluation after training scores at most this many tokens
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    """Run every worked example and property of the handout; non-zero exit if any fails."""
+    from gptlab.lab import run_lab
+
+    results = run_lab()
+    width = max(len(r.name) for r in results)
+    for r in results:
+        verdict = "PASS" if r.passed else "FAIL"
+        print(f"{verdict}  {r.section:<6} {r.name:<{width}}  expected {r.expected}  computed {r.computed}")
+    failed = sum(not r.passed for r in results)
+    print(f"\n{len(results) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    """Build a model from options, run one forward pass, and print its parameter arithmetic."""
+    import torch
+
+    from gptlab.model import GPT, parameter_count
+
+    config = ModelConfig.from_dict(config_overrides(args, ModelConfig))
+    model = GPT(config)
+    idx = torch.zeros(1, config.block_size, dtype=torch.long)
+    logits, _ = model(idx)
+    for name, value in config.to_dict().items():
+        print(f"{name:>12} = {value}")
+    print(f"\nforward pass: tokens (1, {config.block_size}) -> logits {tuple(logits.shape)}")
+    print("\nparameters (handout arithmetic):")
+    for part, count in parameter_count(config).items():
+        print(f"{part:>16}  {count:>12,}")
+    print(f"{'counted':>16}  {model.num_parameters():>12,}  (sum over the built model's tensors)")
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Tokenize a corpus or text into train.bin / val.bin beside its tokenizer."""
+    from gptlab.data import prepare
+
+    meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.tokenizer_vocab_size,
+                   val_fraction=args.val_fraction, progress=not args.no_progress)
+    tokens = meta["tokens"]
+    print(f"wrote {args.out}: {tokens['train']:,} train and {tokens['val']:,} validation tokens, "
+          f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids")
+    return 0
+
+
+def data_folder(args: argparse.Namespace, out: Path, is_main: bool) -> Path:
+    """A prepared folder as given, or the corpus/text prepared (by rank 0) into OUT/data."""
+    from gptlab import distributed
+    from gptlab.checkpoint import load_checkpoint
+    from gptlab.data import prepare
+    from gptlab.tokenizer import tokenizer_from_dict
+
+    if (Path(args.data) / "meta.json").is_file():
+        return Path(args.data)
+    tokenizer = args.tokenizer
+    if args.init_from:  # fine-tuning: the text must be tokenized exactly as the checkpoint was
+        tokenizer = tokenizer_from_dict(load_checkpoint(args.init_from).tokenizer)
+    if is_main:
+        which = f"the {tokenizer}" if isinstance(tokenizer, str) else "the checkpoint's"
+        print(f"preparing {args.data} with {which} tokenizer into {out / 'data'}")
+        prepare(args.data, out / "data", tokenizer=tokenizer, vocab_size=args.tokenizer_vocab_size,
+                progress=not args.no_progress)
+    distributed.barrier()  # under torchrun the other ranks wait for rank 0's data
+    return out / "data"
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a new run (or resume one), then report its evaluation and a few samples.
+
+    Under torchrun every process runs this; rank 0 prepares the data and does all the printing.
+    """
+    from gptlab import distributed
+    from gptlab.checkpoint import LAST, checkpoint_architecture, require_architecture
+    from gptlab.presets import resolve_configs
+    from gptlab.train import resume, train
+
+    out = Path(args.out)
+    try:
+        if args.resume:
+            require_architecture(checkpoint_architecture(out, LAST), out, "decoder")
+            result = resume(out, stop_at=args.stop_at, progress=not args.no_progress)
+            is_main = distributed.setup("auto")[0].is_main
+        else:
+            model_overrides = config_overrides(args, ModelConfig)
+            if args.init_from:
+                require_architecture(checkpoint_architecture(args.init_from), args.init_from, "decoder")
+            if args.init_from and model_overrides:
+                flags = ", ".join("--" + name.replace("_", "-") for name in model_overrides)
+                raise ValueError(f"--init-from takes the model from the checkpoint: {flags} cannot change it")
+            model_config, train_config = resolve_configs(
+                args.preset, args.config, model_overrides, config_overrides(args, TrainConfig)
+            )
+            if (out / "last.safetensors").exists():
+                raise ValueError(f"{out} already holds a run: continue it with --resume, or choose another "
+                                 "--out")
+            is_main = distributed.setup(train_config.device)[0].is_main
+            data_dir = data_folder(args, out, is_main)
+            if is_main:
+                print_configs({"model": model_config, "train": train_config}, hidden=("vocab_size",))
+            result = train(out, data_dir, model_config, train_config, stop_at=args.stop_at,
+                           progress=not args.no_progress, init_from=args.init_from)
+    finally:
+        distributed.shutdown()
+    if not is_main:
+        return 130 if result.interrupted else 0
+    report_run(result, out)
+    if result.interrupted:
+        return 130
+    print(f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
+    if args.samples:
+        print_samples(out, "\n", args.samples, max_new_tokens=300, temperature=0.8, top_k=None, seed=0,
+                      device="cpu")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Loss, perplexity and bits per character of a checkpoint on a split or any text."""
+    print(evaluation_line(args.run, args.data, args.max_tokens))
+    return 0
+
+
+def evaluation_line(run: str | Path, data: str, max_tokens: int | None) -> str:
+    """Evaluate a run's best checkpoint on `data` (train, val, or any text) and describe the result."""
+    import dataclasses as dc
+
+    from gptlab.checkpoint import load_checkpoint, load_run
+    from gptlab.data import TokenData, load_text
+    from gptlab.evaluate import evaluate_tokens
+
+    model, tokenizer = load_run(run)
+    if data in ("train", "val"):
+        data_dir = load_checkpoint(run).state.get("data_dir")
+        if data_dir is None:
+            raise ValueError(f"{run} was not trained by gptlab, so it has no {data} split: "
+                             "evaluate it on a text with --data FILE")
+        tokens = TokenData(data_dir).split(data)
+        characters = len(tokens) if tokenizer.kind == "char" else None
+        name = f"{data} split"
+    else:
+        text = load_text(data)
+        tokens = tokenizer.encode_array(text)
+        characters = len(text)
+        name = data
+    result = evaluate_tokens(model, tokens, max_tokens=max_tokens)
+    if characters:  # scale to the characters actually scored
+        result = dc.replace(result, characters=round(characters * result.tokens / max(1, len(tokens) - 1)))
+    bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
+    return (f"{name}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.3f}{bpc} "
+            f"({result.tokens:,} tokens scored)")
+
+
+def print_samples(run: str | Path, prompt: str, num_samples: int, *, max_new_tokens: int, temperature: float,
+                  top_k: int | None, seed: int, device: str, top_p: float = 1.0, stop: Sequence[str] = (),
+                  use_cache: bool = True, as_json: bool = False) -> None:
+    """Stream `num_samples` continuations of `prompt` to stdout, or print one JSON line per sample."""
+    import json
+    import time
+
+    import torch
+
+    from gptlab.checkpoint import load_run
+    from gptlab.common import resolve_device
+    from gptlab.generate import check_sampling, stream_text
+
+    check_sampling(temperature, top_k, max_new_tokens, top_p)
+    if num_samples < 1:
+        raise ValueError(f"--num-samples={num_samples} must be at least 1")
+    torch_device = resolve_device(device)
+    model, tokenizer = load_run(run, torch_device)
+    generator = torch.Generator(torch_device).manual_seed(seed)
+    for n in range(num_samples):
+        begin = time.perf_counter()
+        # stream_text checks the prompt and the stop strings before anything is printed
+        chunks = stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_k, generator,
+                             top_p=top_p, stop=stop, use_cache=use_cache)
+        if not as_json:
+            sys.stdout.write(f"--- sample {n + 1} ---\n{prompt}")
+        completion, tokens = "", []
+        for chunk in chunks:
+            completion += chunk.text
+            tokens += [] if chunk.token is None else [chunk.token]
+            if not as_json:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        if not as_json:
+            print()
+            continue
+        record = {"sample": n + 1, "prompt": prompt, "completion": completion, "tokens": tokens,
+                  "stop_reason": chunk.stop_reason,  # the last chunk carries it
+                  "tokens_per_s": round(len(tokens) / (time.perf_counter() - begin), 1)}
+        print(json.dumps(record))
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    """Print continuations of a prompt (or of a file's text) from a trained checkpoint."""
+    prompt = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(encoding="utf-8")
+    print_samples(args.run, prompt, args.num_samples, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop or (),
+                  seed=args.seed, device=args.device, use_cache=args.use_cache, as_json=args.json)
+    return 0
+
+
+def add_model_commands(sub: Any) -> None:
+    """The lab / model commands."""
+    lab = sub.add_parser(
+        "lab",
+        help="check every worked number and property of the handout",
+        description="Run the handout's worked examples (§2-§8) with gptlab's own modules and print "
+        "expected vs computed values, one line per check. Exits 1 if any check fails.",
+    )
+    lab.set_defaults(func=cmd_lab)
+
+    model = sub.add_parser(
+        "model",
+        help="build a model from options and print its parameter count",
+        description="Build a GPT from the given options (defaults otherwise), run a forward pass "
+        "and print the parameter count of each part, e.g. `gptlab model --n-embd 8 --n-head 2`.",
+    )
+    add_config_arguments(model, ModelConfig, "model options", exclude=("causal",))
+    model.set_defaults(func=cmd_model)
+
+
+def add_data_commands(sub: Any) -> None:
+    """The prepare / train / eval / sample commands."""
+    from gptlab.data import CORPORA
+    from gptlab.presets import PRESETS
+    from gptlab.tokenizer import TOKENIZERS
+
+    source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
+    prep = sub.add_parser(
+        "prepare", help="tokenize text into train/val token files",
+        description="Tokenize a corpus into OUT/train.bin and OUT/val.bin (memory-mapped token ids), "
+        "OUT/tokenizer.json and OUT/meta.json, holding out a deterministic validation split.",
+    )
+    prep.add_argument("source", help=source_help)
+    prep.add_argument("--out", required=True, help="folder to write (replaced only on success)")
+    prep.add_argument("--val-fraction", type=float, default=0.1, help="share held out for validation")
+    add_tokenizer_options(prep, TOKENIZERS)
+    prep.set_defaults(func=cmd_prepare)
+
+    tr = sub.add_parser(
+        "train", help="train a model (the main job)",
+        description="Train a GPT on a corpus with teacher forcing. Settings are layered: defaults, "
+        "then --preset, then --config FILE.toml ([model] and [train] tables), then options below. "
+        "The run folder gets config.json, metrics.csv, loss.png, last.safetensors and "
+        "best.safetensors. Ctrl-C saves and stops; --resume continues exactly.",
+        epilog="example: gptlab train --preset demo --data shakespeare --out runs/demo",
+    )
+    tr.add_argument("--preset", choices=list(PRESETS), help="named settings to start from")
+    tr.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] tables")
+    tr.add_argument("--data", default="shakespeare", help=source_help + ", or a prepared folder")
+    tr.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
+    add_run_options(tr)
+    tr.add_argument("--init-from", metavar="RUN", help="fine-tune: start from this run's (or an imported "
+                    "model's) weights and architecture, tokenizing --data with its tokenizer")
+    tr.add_argument("--samples", type=int, default=2, help="samples printed after training (default 2)")
+    add_tokenizer_options(tr, TOKENIZERS)
+    # vocab_size comes from the tokenizer (so --vocab-size is the tokenizer's); causal is never switched off
+    add_config_arguments(tr, ModelConfig, "model options", exclude=("vocab_size", "causal"))
+    add_config_arguments(tr, TrainConfig, "training options")
+    tr.set_defaults(func=cmd_train)
+
+    ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint",
+                        description="Report the loss, perplexity and bits per character of a run's "
+                        "best checkpoint on its train or val split, or on any text.")
+    ev.add_argument("run", help="run folder or checkpoint file")
+    ev.add_argument("--data", default="val", help="train, val, or " + source_help)
+    ev.add_argument("--max-tokens", type=int, help="score at most this many tokens")
+    ev.set_defaults(func=cmd_eval)
+
+    sa = sub.add_parser("sample", help="generate text from a checkpoint",
+                        description="Continue a prompt with a trained model, streaming the text. Generation "
+                        "stops at the end-of-text token, a --stop string (not printed) or --max-new-tokens.",
+                        epilog="example: gptlab sample runs/demo --prompt ROMEO: --top-p 0.9 "
+                        "--stop $'\\n\\n'")
+    sa.add_argument("run", help="run folder or checkpoint file")
+    source = sa.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default="\n", help="text to continue (cropped to the context window)")
+    source.add_argument("--prompt-file", metavar="FILE", help="continue the text of this UTF-8 file instead")
+    sa.add_argument("--max-new-tokens", type=int, default=300)
+    sa.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random")
+    sa.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    sa.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                    help="sample only among the fewest tokens whose probability reaches P (default 1: all)")
+    sa.add_argument("--stop", nargs="+", action="extend", metavar="S",
+                    help="stop before any of these strings (repeatable); they are not printed")
+    sa.add_argument("--seed", type=int, default=1337)
+    sa.add_argument("--num-samples", type=int, default=1)
+    sa.add_argument("--no-kv-cache", dest="use_cache", action="store_false",
+                    help="recompute every step without the KV cache (the slow reference loop)")
+    sa.add_argument("--json", action="store_true", help="print one JSON object per sample: prompt, "
+                    "completion, tokens, stop_reason, tokens_per_s")
+    sa.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
+    sa.set_defaults(func=cmd_sample)
+
+
+def add_tokenizer_options(parser: argparse.ArgumentParser, tokenizers: Sequence[str]) -> None:
+    parser.add_argument("--tokenizer", choices=tokenizers, default="char", help="how text becomes ids")
+    parser.add_argument("--vocab-size", type=int, dest="tokenizer_vocab_size", metavar="N",
+                        help="vocabulary size of a trained bpe tokenizer")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
