@@ -11,7 +11,9 @@ Recompute on the GPT-2-small shape costs seconds per step at long contexts, so i
 estimated: one naive step is timed at a few context lengths and the per-step times, interpolated
 linearly, are summed over the run; those cells are marked with ~. Every other cell is measured.
 
-Each decoder is one function (model, prompt, n_new) -> seconds until each new token.
+Each decoder is one function (model, prompt, n_new) -> seconds until each new token. "KV cache" runs
+the model as `gptlab sample` loads it, its Linear weights stored column-major (`decoding_layout`);
+"nn.Linear layout" is the same decoder on the usual (out, in) storage, to show what that layout costs.
 
 A second table sets gptlab's cached decoder beside Hugging Face transformers' `generate` (its own
 KV cache, greedy) on the very same weights (converted with `gptlab.convert.to_transformers`): 200
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from gptlab.config import ModelConfig
-from gptlab.generate import Decoder, generate
+from gptlab.generate import Decoder, decoding_layout, generate
 from gptlab.model import GPT
 
 LENGTHS = (128, 512, 1024)
@@ -106,7 +108,12 @@ def gptlab_recompute(model: GPT, prompt: list[int], n_new: int) -> list[float]:
     return token_times(generate(model, [prompt], n_new, temperature=0, use_cache=False))
 
 
-DECODERS: dict[str, Decoding] = {"gptlab KV cache": gptlab_cached, "gptlab recompute": gptlab_recompute}
+# name -> (decoder, whether it runs on the decoding layout)
+DECODERS: dict[str, tuple[Decoding, bool]] = {
+    "gptlab KV cache": (gptlab_cached, True),
+    "gptlab KV cache, nn.Linear layout": (gptlab_cached, False),
+    "gptlab recompute": (gptlab_recompute, True),
+}
 
 
 def estimated_recompute(model: GPT, prompt: list[int], n_new: int, points: int = 7) -> list[float]:
@@ -135,12 +142,15 @@ def best_of(repeats: int, decoding: Decoding, model: GPT, prompt: list[int], n_n
 def rows_for(size: Size, bandwidths: tuple[float, float], device: torch.device) -> list[str]:
     """The table rows of one model: one per decoder, then the cache's speedup."""
     torch.manual_seed(0)
-    model = GPT(size.config).to(device).eval()
-    bound, linear_bound = (bandwidth / weight_bytes(model) for bandwidth in bandwidths)  # tokens/s
+    usual = GPT(size.config).to(device).eval()
+    laid_out = decoding_layout(GPT(size.config).to(device).eval())
+    laid_out.load_state_dict(usual.state_dict())  # copies values, keeps the layout
+    bound, linear_bound = (bandwidth / weight_bytes(usual) for bandwidth in bandwidths)  # tokens/s
     prompt = [0] * (size.config.block_size // 2)
     rates: dict[str, list[float]] = {}
     rows = []
-    for name, decoding in DECODERS.items():
+    for name, (decoding, layout) in DECODERS.items():
+        model = laid_out if layout else usual
         estimate = size.estimate_recompute and decoding is gptlab_recompute
         decoding(model, [0], 8)  # warm-up
         first_ms = 1e3 * best_of(size.repeats, decoding, model, prompt, 1)[0]
@@ -173,6 +183,7 @@ def transformers_row(name: str, config: ModelConfig, device: torch.device, repea
     torch.manual_seed(0)
     model = GPT(config).to(device).eval()
     hf = to_transformers(model)
+    decoding_layout(model)  # as `gptlab sample` loads it
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)
     ours, our_tokens = best_seconds(
         lambda: [int(t) for t in generate(model, [[0]], HF_NEW_TOKENS, temperature=0)], repeats)

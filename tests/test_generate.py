@@ -14,13 +14,14 @@ import torch
 from torch.testing import assert_close
 
 from conftest import tiny_config
-from gptlab.checkpoint import Checkpoint, model_tensors, save_checkpoint
+from gptlab.checkpoint import Checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ARRANGEMENTS, POSITIONS
 from gptlab.generate import (
     Chunk,
     Decoder,
     check_sampling,
+    decoding_layout,
     generate,
     stream_text,
     text_chunks,
@@ -197,6 +198,21 @@ def test_cached_greedy_generation_matches_transformers_gpt2() -> None:
 
 
 # ---------------------------------------------------------------------------------------- sampling
+
+
+def test_the_decoding_layout_changes_strides_only(run: Path) -> None:
+    model = random_model()
+    prompt = torch.tensor([[1, 2, 3]])
+    before = model(prompt)[0]
+    tokens = rows_of(generate(model, prompt, 30, temperature=0.0))
+    decoding_layout(decoding_layout(model))  # twice: the second call changes nothing
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    assert model.lm_head.weight is model.transformer.wte.weight  # still tied
+    assert_close(model(prompt)[0], before, atol=1e-6, rtol=1e-6)
+    assert rows_of(generate(model, prompt, 30, temperature=0.0)) == tokens
+    loaded, _ = load_run(run)  # models loaded for inference on the CPU come in this layout
+    assert loaded.lm_head.weight.t().is_contiguous()
 
 
 def test_sampled_distribution_sums_to_one_after_every_filter() -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from gptlab.config import ModelConfig, Seq2SeqConfig, TrainConfig
 from gptlab.encoder_decoder import EncoderDecoder
+from gptlab.generate import decoding_layout
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer, tokenizer_from_dict
 
@@ -196,4 +197,6 @@ def load_run(
     checkpoint = load_checkpoint(path, prefer)
     require_architecture(architecture(checkpoint.model_config), path, expect)
     model = checkpoint.build_model().to(device).eval()
+    if next(model.parameters()).device.type == "cpu":  # faster batch-1 decoding, the same logits
+        decoding_layout(model)
     return model, tokenizer_from_dict(checkpoint.tokenizer)
