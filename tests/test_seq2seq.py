@@ -19,6 +19,8 @@ from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.encoder_decoder import DecoderBlock, EncoderDecoder
 from gptlab.generate import greedy_answers
 from gptlab.inspection.cross_attention import cross_attention_maps
+from gptlab.inspection.verify import failed
+from gptlab.inspection.verify_seq2seq import verify_seq2seq
 from gptlab.model import Block, CausalSelfAttention, KVCache
 from gptlab.train import resume, train_seq2seq
 
@@ -292,6 +294,20 @@ def test_seq2seq_resume_is_exact(tmp_path: Path) -> None:
         assert torch.equal(tensor, split.model_state[name]), name
 
 
+def test_verify_passes_on_the_trained_model_and_fails_on_broken_ones(reverse_run: Path) -> None:
+    code, out, _ = run_cli("verify", reverse_run)
+    assert code == 0 and "8 of 8 hold" in out
+    model, _ = load_run(reverse_run, expect="encoder-decoder")
+    assert not failed(verify_seq2seq(model))
+    model.decoder.h[0].attn.causal = False  # one decoder block sees the future
+    broken = [p.name for p in failed(verify_seq2seq(model))]  # a cache cannot match a model that looks ahead
+    assert broken == ["decoder logits at i ignore every target after i",
+                      "cached step logits = teacher forcing"]
+    model.decoder.h[0].attn.causal = True
+    model.config = model.config.replace(pad_id=tasks.EOS)  # <pad> now counts as a real source token
+    assert "cross-attention gives padding zero weight" in [p.name for p in failed(verify_seq2seq(model))]
+
+
 def test_fsdp_is_refused_for_seq2seq(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="use --parallel ddp"):
         train_seq2seq(tmp_path / "run", FAST_TASK, FAST_MODEL, FAST_TRAIN.replace(parallel="fsdp"))
@@ -325,7 +341,6 @@ def test_cli_draws_the_cross_attention_of_a_seq2seq_run(reverse_run: Path, tmp_p
     (("sample", "RUN"), "use the `gptlab seq2seq` commands"),
     (("train", "--resume", "--out", "RUN"), "use the `gptlab seq2seq` commands"),
     (("train", "--init-from", "RUN", "--out", "elsewhere"), "use the `gptlab seq2seq` commands"),
-    (("verify", "RUN"), "encoder-decoder (seq2seq) model"),
     (("export-hf", "RUN", "hf-folder"), "encoder-decoder (seq2seq) model"),
     (("attention", "RUN", "--prompt", "abc", "--out", "x.html"), "give --out FILE.png"),
     (("seq2seq", "eval", "RUN", "--examples", "0"), "--examples=0 must be at least 1"),

@@ -102,15 +102,16 @@ def cmd_intervene(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Measure the handout's properties on a trained model; non-zero exit if any fails."""
-    from gptlab.checkpoint import architecture, load_checkpoint, require_architecture
+    from gptlab.checkpoint import architecture, load_checkpoint
     from gptlab.common import resolve_device
     from gptlab.inspection.verify import failed, verify_model
+    from gptlab.inspection.verify_seq2seq import verify_seq2seq
 
     # Only the weights: the checks use random token ids, so a run needs no working tokenizer here.
     checkpoint = load_checkpoint(args.run)
-    require_architecture(architecture(checkpoint.model_config), args.run, "decoder")
     model = checkpoint.build_model().to(resolve_device(args.device)).eval()
-    properties = verify_model(model, seed=args.seed)
+    check = verify_seq2seq if architecture(checkpoint.model_config) == "encoder-decoder" else verify_model
+    properties = check(model, seed=args.seed)
     width = max(len(p.name) for p in properties)
     print(f"{'result':<6} {'section':<7} {'property':<{width}} {'deviation':>10} {'tolerance':>10}  note")
     for p in properties:
@@ -176,7 +177,9 @@ def add_inspect_commands(sub: Any) -> None:
                  "properties on the model and print each one's measured deviation: attention rows sum to "
                  "one (§3.2); logits at i ignore every later input, exactly (§7.3); cached = uncached "
                  "generation (§7.1); fused = separate projections (§4.2); a tied head is one tensor (§6); "
-                 "without positions, permutation equivariance of the unmasked stack (§6.1). Exits 1 if "
-                 "any fails.", prompt=False)
+                 "without positions, permutation equivariance of the unmasked stack (§6.1). On a seq2seq "
+                 "run: rows (cross-attention too), padding ignored exactly, decoder causality, every "
+                 "target position reading every source token, cached = recomputed decoding, tying. Exits "
+                 "1 if any fails.", prompt=False)
     ve.add_argument("--seed", type=int, default=0, help="seed of the random test prompts (default 0)")
     ve.set_defaults(func=cmd_verify)
