@@ -18,7 +18,7 @@ from gptlab.cli import main
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.encoder_decoder import DecoderBlock, EncoderDecoder
 from gptlab.generate import greedy_answers
-from gptlab.inspection.cross_attention import cross_attention_maps
+from gptlab.inspection.cross_attention import cross_attention_maps, cross_inputs
 from gptlab.inspection.verify import failed
 from gptlab.inspection.verify_seq2seq import verify_seq2seq
 from gptlab.model import Block, CausalSelfAttention, KVCache
@@ -101,14 +101,7 @@ def test_cross_attention_rows_sum_to_one_and_give_padding_exactly_zero() -> None
     src, tgt = random_ids(g, 2, 8), random_ids(g, 2, 5)
     src[0, 5:] = tasks.PAD
     source = model.encode(src)
-    inputs: list[torch.Tensor] = []
-    handles = [block.cross.register_forward_pre_hook(lambda m, args: inputs.append(args[0]))
-               for block in model.decoder.h]
-    try:
-        model.decode(tgt, source)
-    finally:
-        for handle in handles:
-            handle.remove()
+    inputs = cross_inputs(model, tgt, source)
     for layer, block in enumerate(model.decoder.h):
         weights = block.cross.attention_weights(inputs[layer], source.keys_values[layer], source.mask)
         assert weights.shape == (2, 2, 5, 8)  # (B, H, T, S)

@@ -16,10 +16,23 @@ import torch
 
 from gptlab import tasks
 from gptlab.config import TaskConfig
-from gptlab.encoder_decoder import EncoderDecoder
+from gptlab.encoder_decoder import EncodedSource, EncoderDecoder
 from gptlab.generate import greedy_answers
 from gptlab.inspection.attention_view import check_index, draw_grid
 from gptlab.tokenizer import SymbolTokenizer
+
+
+def cross_inputs(model: EncoderDecoder, tgt: torch.Tensor, source: EncodedSource) -> list[torch.Tensor]:
+    """Each decoder layer's input to cross-attention (B, T, D), recorded by pre-hooks during one decode."""
+    inputs: list[torch.Tensor] = []
+    hooks = [block.cross.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+             for block in model.decoder.h]
+    try:
+        model.decode(tgt, source)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return inputs
 
 
 @dataclass(frozen=True)
@@ -46,14 +59,7 @@ def cross_attention_maps(model: EncoderDecoder, vocab: SymbolTokenizer, task: Ta
     src = tasks.encode_sources(vocab, [source]).to(device)  # (1, S)
     answer = greedy_answers(model, src, tasks.BOS, tasks.EOS)[0]
     encoded = model.encode(src)
-    inputs: dict[int, torch.Tensor] = {}
-    hooks = [model.decoder.h[n].cross.register_forward_pre_hook(
-        lambda module, args, n=n: inputs.__setitem__(n, args[0])) for n in layers]
-    try:
-        model.decode(torch.tensor([[tasks.BOS] + answer], device=device), encoded)
-    finally:
-        for hook in hooks:
-            hook.remove()
+    inputs = cross_inputs(model, torch.tensor([[tasks.BOS] + answer], device=device), encoded)
     weights = torch.stack([
         model.decoder.h[n].cross.attention_weights(inputs[n], encoded.keys_values[n], encoded.mask)[0, heads]
         for n in layers

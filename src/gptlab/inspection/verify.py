@@ -48,12 +48,12 @@ def _device(model: GPT) -> torch.device:
     return next(model.parameters()).device
 
 
-def _gap(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+def gap_of(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """max |got - want|, and the size of want (max |want|, at least 1) that tolerances scale with."""
     return float((got - want).abs().max()), max(1.0, float(want.abs().max()))
 
 
-def _measured(section: str, name: str, gaps: Iterable[tuple[float, float]], eps: float,
+def measured(section: str, name: str, gaps: Iterable[tuple[float, float]], eps: float,
               note: str = "") -> Property:
     """A property that holds when each difference is within EPSILONS * eps times its values' size."""
     gaps = list(gaps)
@@ -68,7 +68,7 @@ def check_rows(model: GPT, idx: torch.Tensor, eps: float) -> Property:
     with record(model, names) as weights:
         model(idx)
     gaps = ((float((weights[name].sum(-1) - 1).abs().max()), 1.0) for name in names)
-    return _measured("§3.2", "attention rows sum to one", gaps, eps,
+    return measured("§3.2", "attention rows sum to one", gaps, eps,
                      f"{len(names)} layers x {model.config.n_head} heads x {idx.size(1)} queries")
 
 
@@ -98,11 +98,11 @@ def check_generation(model: GPT, generator: torch.Generator, eps: float) -> Prop
     gaps = []
     for _ in range(GENERATION_STEPS):
         reference = model(row)[0][:, -1]  # the handout's loop: the whole sequence again, (1, V)
-        gaps.append(_gap(cached.logits(), reference))
+        gaps.append(gap_of(cached.logits(), reference))
         token = reference.argmax(-1, keepdim=True)  # (1, 1)
         cached.append(token)
         row = torch.cat([row, token], dim=1)
-    return _measured("§7.1", name, gaps, eps, f"{length}-token prompt, {GENERATION_STEPS} greedy steps")
+    return measured("§7.1", name, gaps, eps, f"{length}-token prompt, {GENERATION_STEPS} greedy steps")
 
 
 def _projection_gaps(model: GPT, idx: torch.Tensor) -> Iterator[tuple[float, float]]:
@@ -121,10 +121,10 @@ def _projection_gaps(model: GPT, idx: torch.Tensor) -> Iterator[tuple[float, flo
             own = F.linear(x, weight, bias).view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, hs)
             own = attn.rotate(own) if i < 2 else own  # RoPE turns queries and keys, not values
             separate.append(own)
-            yield _gap(fused, own)
+            yield gap_of(fused, own)
         mask = causal_mask(T, T, x.device) if attn.causal else None
         heads = [attention(*(t[:, h] for t in separate), mask)[0] for h in range(H)]  # H x (B, T, hs)
-        yield _gap(attn(x), attn.c_proj(torch.cat(heads, dim=-1)))
+        yield gap_of(attn(x), attn.c_proj(torch.cat(heads, dim=-1)))
 
 
 def check_tied(model: GPT) -> Property:
@@ -134,7 +134,7 @@ def check_tied(model: GPT) -> Property:
     if not model.config.tied:
         return Property("§6", name, None, None, None, "untied model: its head is a matrix of its own")
     same = head is embedding and head.data_ptr() == embedding.data_ptr()
-    return Property("§6", name, _gap(head, embedding)[0], 0.0, same, f"same object and storage: {same}")
+    return Property("§6", name, gap_of(head, embedding)[0], 0.0, same, f"same object and storage: {same}")
 
 
 def check_permutation(model: GPT, idx: torch.Tensor, generator: torch.Generator, eps: float) -> Property:
@@ -147,8 +147,8 @@ def check_permutation(model: GPT, idx: torch.Tensor, generator: torch.Generator,
     for block in unmasked.transformer.h:
         block.attn.causal = False  # the mask depends on order, so the property is about the stack without it
     perm = torch.randperm(idx.size(1), generator=generator).to(idx.device)
-    gap = _gap(unmasked(idx[:, perm])[0], unmasked(idx)[0][:, perm])
-    return _measured("§6.1", name, [gap], eps, "checked on a copy with causal=False")
+    gap = gap_of(unmasked(idx[:, perm])[0], unmasked(idx)[0][:, perm])
+    return measured("§6.1", name, [gap], eps, "checked on a copy with causal=False")
 
 
 @torch.no_grad()
@@ -165,7 +165,7 @@ def verify_model(model: GPT, seed: int = 0, length: int = 32) -> list[Property]:
             check_rows(model, idx, eps),
             check_causality(model, idx, generator),
             check_generation(model, generator, eps),
-            _measured("§4.2", "fused projection = separate projections", _projection_gaps(model, idx), eps,
+            measured("§4.2", "fused projection = separate projections", _projection_gaps(model, idx), eps,
                       "W_QKV and the fast kernel vs three matrices and per-head attention, every layer"),
             check_tied(model),
             check_permutation(model, idx, generator, eps),

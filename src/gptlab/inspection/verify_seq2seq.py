@@ -19,25 +19,13 @@ from collections.abc import Iterator
 import torch
 
 from gptlab import tasks
-from gptlab.encoder_decoder import EncodedSource, EncoderDecoder
+from gptlab.encoder_decoder import EncoderDecoder
 from gptlab.generate import greedy_answers
-from gptlab.inspection.verify import Property, _gap, _measured
+from gptlab.inspection.cross_attention import cross_inputs
+from gptlab.inspection.verify import Property, gap_of, measured
 from gptlab.model import KVCache
 
 FIRST_SYMBOL = len(tasks.SPECIALS)  # random ids start here: never <pad>, <bos> or <eos>
-
-
-def _cross_inputs(model: EncoderDecoder, tgt: torch.Tensor, source: EncodedSource) -> list[torch.Tensor]:
-    """Each decoder layer's input to cross-attention, recorded by a pre-hook during one decode."""
-    inputs: list[torch.Tensor] = []
-    hooks = [block.cross.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
-             for block in model.decoder.h]
-    try:
-        model.decode(tgt, source)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return inputs
 
 
 def _row_gaps(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor) -> Iterator[tuple[float, float]]:
@@ -49,7 +37,7 @@ def _row_gaps(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor) -> It
         yield float((weights.sum(-1) - 1).abs().max()), 1.0
         x = block(x, mask=source.mask)
     y = model._embed(model.decoder, tgt)
-    for block, cross_in, kv in zip(model.decoder.h, _cross_inputs(model, tgt, source), source.keys_values,
+    for block, cross_in, kv in zip(model.decoder.h, cross_inputs(model, tgt, source), source.keys_values,
                                    strict=True):
         self_weights = block.attn.attention_weights(block.ln_1(y) if block.prenorm else y)
         cross_weights = block.cross.attention_weights(cross_in, kv, source.mask)
@@ -63,17 +51,17 @@ def check_padding(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor, e
     source = model.encode(src)
     padded = src == tasks.PAD  # (B, S): the positions padded here, whatever the model's mask says
     weight_on_padding = 0.0
-    for block, cross_in, kv in zip(model.decoder.h, _cross_inputs(model, tgt, source), source.keys_values,
+    for block, cross_in, kv in zip(model.decoder.h, cross_inputs(model, tgt, source), source.keys_values,
                                    strict=True):
         weights = block.cross.attention_weights(cross_in, kv, source.mask)  # (B, H, T, S)
         weight_on_padding = max(weight_on_padding, float(weights.transpose(1, 3)[padded].abs().max()))
     real = int((~padded[-1]).sum())  # the last source row is the padded one
     alone = model(src[-1:, :real], tgt[-1:])[0]
-    gap = _gap(model(src, tgt)[0][-1:], alone)
+    gap = gap_of(model(src, tgt)[0][-1:], alone)
     return [
         Property("pad", "cross-attention gives padding zero weight", weight_on_padding, 0.0,
                  weight_on_padding == 0.0, f"{int(padded.sum())} padded source positions, exact"),
-        _measured("pad", "a padded source gives its logits alone", [gap], eps,
+        measured("pad", "a padded source gives its logits alone", [gap], eps,
                   f"{src.size(1) - real} padding tokens"),
     ]
 
@@ -116,7 +104,7 @@ def check_decoding(model: EncoderDecoder, src: torch.Tensor, eps: float) -> list
     return [
         Property("§7.1", "cached greedy answers = recomputed", float(differ), 0.0, differ == 0,
                  f"{src.size(0)} sources; deviation = answers that differ"),
-        _measured("§7.1", "cached step logits = teacher forcing", [_gap(steps, model.decode(tgt, source))],
+        measured("§7.1", "cached step logits = teacher forcing", [gap_of(steps, model.decode(tgt, source))],
                   eps, f"{tgt.size(1)} steps of the first answer"),
     ]
 
@@ -127,7 +115,7 @@ def check_tied(model: EncoderDecoder) -> Property:
     if not model.config.tied:
         return Property("§6", name, None, None, None, "untied model: its head is a matrix of its own")
     same = model.lm_head.weight is model.wte.weight
-    return Property("§6", name, _gap(model.lm_head.weight, model.wte.weight)[0], 0.0, same,
+    return Property("§6", name, gap_of(model.lm_head.weight, model.wte.weight)[0], 0.0, same,
                     f"same object: {same}")
 
 
@@ -148,7 +136,7 @@ def verify_seq2seq(model: EncoderDecoder, seed: int = 0, sources: int = 4) -> li
         src, tgt = src.to(device), tgt.to(device)
         eps = torch.finfo(next(model.parameters()).dtype).eps
         return [
-            _measured("§3.2", "attention rows sum to one", _row_gaps(model, src, tgt), eps,
+            measured("§3.2", "attention rows sum to one", _row_gaps(model, src, tgt), eps,
                       f"encoder, decoder and cross-attention, {model.config.n_head} heads each"),
             *check_padding(model, src, tgt, eps),
             *check_dependence(model, src, tgt, generator),
