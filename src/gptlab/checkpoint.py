@@ -195,8 +195,14 @@ def load_run(
     `expect` names the architecture the caller can use; another one is a ValueError saying what to run.
     """
     checkpoint = load_checkpoint(path, prefer)
+    return inference_model(checkpoint, path, device, expect), tokenizer_from_dict(checkpoint.tokenizer)
+
+
+def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = "cpu",
+                    expect: str = "decoder") -> GPT | EncoderDecoder:
+    """The checkpoint's model in eval mode on `device` (in the decoding layout on the CPU)."""
     require_architecture(architecture(checkpoint.model_config), path, expect)
     model = checkpoint.build_model().to(device).eval()
     if next(model.parameters()).device.type == "cpu":  # faster batch-1 decoding, the same logits
         decoding_layout(model)
-    return model, tokenizer_from_dict(checkpoint.tokenizer)
+    return model

@@ -78,3 +78,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         help="continue the run in --out from last.safetensors")
     parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop (and save) at this step, keeping "
                         "the schedule of the full run; resume later with --resume")
+
+
+def add_device_option(parser: argparse.ArgumentParser) -> None:
+    """--device for the commands that run a trained model (default cpu)."""
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default cpu)")

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from gptlab.cli.common import add_device_option
+
 
 def load_prompt(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     """The model and tokenizer of `args.run` on `args.device`, and the token ids of `args.prompt`."""
@@ -132,7 +134,7 @@ def add_inspect_commands(sub: Any) -> None:
         if prompt:
             parser.add_argument("--prompt", required=True,
                                 help="the text to inspect; at most block_size tokens, never cropped")
-        parser.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default cpu)")
+        add_device_option(parser)
         return parser
 
     at = command("attention", "draw a prompt's attention weights (PNG grid or HTML page)",

@@ -8,6 +8,7 @@ from typing import Any
 
 from gptlab.cli.common import (
     add_config_arguments,
+    add_device_option,
     add_run_options,
     config_overrides,
     print_configs,
@@ -20,19 +21,21 @@ SHOWN_EXAMPLES = 5  # held-out examples printed after training
 
 def load_seq2seq(run: str, device: str) -> tuple[Any, Any, TaskConfig]:
     """The encoder-decoder (eval mode, on `device`), its vocabulary and its task, from a seq2seq run."""
-    from gptlab.checkpoint import load_checkpoint, load_run
+    from gptlab.checkpoint import inference_model, load_checkpoint
     from gptlab.common import resolve_device
+    from gptlab.tokenizer import tokenizer_from_dict
 
-    model, vocab = load_run(run, resolve_device(device), expect="encoder-decoder")
-    return model, vocab, TaskConfig.from_dict(load_checkpoint(run).state["task"])
+    checkpoint = load_checkpoint(run)
+    model = inference_model(checkpoint, run, resolve_device(device), expect="encoder-decoder")
+    return model, tokenizer_from_dict(checkpoint.tokenizer), TaskConfig.from_dict(checkpoint.state["task"])
 
 
-def answer_lines(run: str, sources: list[str], device: str = "cpu", use_cache: bool = True) -> list[str]:
+def answer_lines(model: Any, vocab: Any, task: TaskConfig, sources: list[str],
+                 use_cache: bool = True) -> list[str]:
     """`source -> answer` lines, each marked right or wrong against the task's true answer."""
     from gptlab import tasks
     from gptlab.generate import greedy_answers
 
-    model, vocab, task = load_seq2seq(run, device)
     for source in sources:
         tasks.check_source(task, source, model.config.block_size)
     src = tasks.encode_sources(vocab, sources).to(next(model.parameters()).device)
@@ -78,19 +81,20 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     report_run(result, out)
     if result.interrupted:
         return 130
-    model, _, task = load_seq2seq(str(out), "cpu")
+    model, vocab, task = load_seq2seq(str(out), "cpu")
     import torch
 
     score = tasks.exact_match(model, task, task.eval_examples, seed=0, device=torch.device("cpu"))
     print(f"best checkpoint: {score:.1%} exact match on {task.eval_examples} held-out {task.task} examples")
     shown = tasks.draw_sources(task, torch.Generator().manual_seed(1), SHOWN_EXAMPLES, held_out=True)
-    print("\n".join(answer_lines(str(out), shown)))
+    print("\n".join(answer_lines(model, vocab, task, shown)))
     return 0
 
 
 def cmd_seq2seq_sample(args: argparse.Namespace) -> int:
     """Answer each --input with the trained model (greedy decoding)."""
-    print("\n".join(answer_lines(args.run, args.input, args.device, args.use_cache)))
+    model, vocab, task = load_seq2seq(args.run, args.device)
+    print("\n".join(answer_lines(model, vocab, task, args.input, args.use_cache)))
     return 0
 
 
@@ -165,7 +169,7 @@ def add_seq2seq_commands(sub: Any) -> None:
     sa.add_argument("--input", required=True, action="append", help="a source to answer; repeatable")
     sa.add_argument("--no-kv-cache", dest="use_cache", action="store_false",
                     help="recompute the whole answer at every step (the reference decoder)")
-    sa.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default cpu)")
+    add_device_option(sa)
     sa.set_defaults(func=cmd_seq2seq_sample)
 
     ev = commands.add_parser("eval", help="exact match on held-out examples",
@@ -174,6 +178,6 @@ def add_seq2seq_commands(sub: Any) -> None:
     ev.add_argument("run", help="seq2seq run folder or checkpoint file")
     ev.add_argument("--examples", type=int, default=2000, help="held-out examples to decode (default 2000)")
     ev.add_argument("--seed", type=int, default=0, help="which held-out examples (default 0)")
-    ev.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default cpu)")
+    add_device_option(ev)
     ev.set_defaults(func=cmd_seq2seq_eval)
 

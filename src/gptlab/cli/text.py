@@ -10,6 +10,7 @@ from typing import Any
 
 from gptlab.cli.common import (
     add_config_arguments,
+    add_device_option,
     add_run_options,
     config_overrides,
     print_configs,
@@ -313,7 +314,7 @@ def add_data_commands(sub: Any) -> None:
                     help="recompute every step without the KV cache (the slow reference loop)")
     sa.add_argument("--json", action="store_true", help="print one JSON object per sample: prompt, "
                     "completion, tokens, stop_reason, tokens_per_s")
-    sa.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto")
+    add_device_option(sa)
     sa.set_defaults(func=cmd_sample)
 
 

@@ -19,20 +19,14 @@ from gptlab.config import TaskConfig
 from gptlab.encoder_decoder import EncodedSource, EncoderDecoder
 from gptlab.generate import greedy_answers
 from gptlab.inspection.attention_view import check_index, draw_grid
+from gptlab.inspection.hooks import recorded_inputs
 from gptlab.tokenizer import SymbolTokenizer
 
 
 def cross_inputs(model: EncoderDecoder, tgt: torch.Tensor, source: EncodedSource) -> list[torch.Tensor]:
-    """Each decoder layer's input to cross-attention (B, T, D), recorded by pre-hooks during one decode."""
-    inputs: list[torch.Tensor] = []
-    hooks = [block.cross.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
-             for block in model.decoder.h]
-    try:
-        model.decode(tgt, source)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return inputs
+    """Each decoder layer's input to cross-attention (B, T, D), recorded during one decode."""
+    crosses = [block.cross for block in model.decoder.h]
+    return [args[0] for args in recorded_inputs(crosses, lambda: model.decode(tgt, source))]
 
 
 @dataclass(frozen=True)

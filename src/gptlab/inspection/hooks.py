@@ -185,3 +185,19 @@ def record(
 
     with hooked(model, {name: keep for name in names}, heads):
         yield store
+
+
+def recorded_inputs(modules: Sequence[nn.Module], run: Callable[[], object]) -> list[tuple]:
+    """The positional inputs each module received during `run()` (its last call), by pre-hooks always removed.
+
+    For models without GPT's hook point names, such as the encoder-decoder.
+    """
+    inputs: dict[nn.Module, tuple] = {}
+    handles = [m.register_forward_pre_hook(lambda module, args: inputs.__setitem__(module, args))
+               for m in modules]
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [inputs[m] for m in modules]

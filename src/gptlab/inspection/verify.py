@@ -127,11 +127,10 @@ def _projection_gaps(model: GPT, idx: torch.Tensor) -> Iterator[tuple[float, flo
         yield gap_of(attn(x), attn.c_proj(torch.cat(heads, dim=-1)))
 
 
-def check_tied(model: GPT) -> Property:
+def check_tied(tied: bool, head: torch.Tensor, embedding: torch.Tensor) -> Property:
     """§6: a tied vocabulary head is the token embedding tensor itself, not a copy."""
     name = "tied head is the embedding tensor"
-    head, embedding = model.lm_head.weight, model.transformer.wte.weight
-    if not model.config.tied:
+    if not tied:
         return Property("§6", name, None, None, None, "untied model: its head is a matrix of its own")
     same = head is embedding and head.data_ptr() == embedding.data_ptr()
     return Property("§6", name, gap_of(head, embedding)[0], 0.0, same, f"same object and storage: {same}")
@@ -167,7 +166,7 @@ def verify_model(model: GPT, seed: int = 0, length: int = 32) -> list[Property]:
             check_generation(model, generator, eps),
             measured("§4.2", "fused projection = separate projections", _projection_gaps(model, idx), eps,
                       "W_QKV and the fast kernel vs three matrices and per-head attention, every layer"),
-            check_tied(model),
+            check_tied(model.config.tied, model.lm_head.weight, model.transformer.wte.weight),
             check_permutation(model, idx, generator, eps),
         ]
     finally:

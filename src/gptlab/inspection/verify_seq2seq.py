@@ -22,7 +22,8 @@ from gptlab import tasks
 from gptlab.encoder_decoder import EncoderDecoder
 from gptlab.generate import greedy_answers
 from gptlab.inspection.cross_attention import cross_inputs
-from gptlab.inspection.verify import Property, gap_of, measured
+from gptlab.inspection.hooks import recorded_inputs
+from gptlab.inspection.verify import Property, check_tied, gap_of, measured
 from gptlab.model import KVCache
 
 FIRST_SYMBOL = len(tasks.SPECIALS)  # random ids start here: never <pad>, <bos> or <eos>
@@ -30,20 +31,16 @@ FIRST_SYMBOL = len(tasks.SPECIALS)  # random ids start here: never <pad>, <bos> 
 
 def _row_gaps(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor) -> Iterator[tuple[float, float]]:
     """|row sum - 1| of every head's weights: encoder, decoder self-attention and cross-attention."""
-    source = model.encode(src)
-    x = model._embed(model.encoder, src)
-    for block in model.encoder.h:
-        weights = block.attn.attention_weights(block.ln_1(x) if block.prenorm else x, source.mask)
+    selfs = [block.attn for block in (*model.encoder.h, *model.decoder.h)]
+    crosses = [block.cross for block in model.decoder.h]
+    inputs = recorded_inputs(selfs + crosses, lambda: model(src, tgt))
+    for module, args in zip(selfs + crosses, inputs, strict=True):
+        if module in crosses:  # args: decoder rows, the source's keys and values, its padding mask
+            weights = module.attention_weights(*args)
+        else:  # args: rows, no cache, and an encoder's padding mask
+            x, _, *mask = args
+            weights = module.attention_weights(x, *mask)
         yield float((weights.sum(-1) - 1).abs().max()), 1.0
-        x = block(x, mask=source.mask)
-    y = model._embed(model.decoder, tgt)
-    for block, cross_in, kv in zip(model.decoder.h, cross_inputs(model, tgt, source), source.keys_values,
-                                   strict=True):
-        self_weights = block.attn.attention_weights(block.ln_1(y) if block.prenorm else y)
-        cross_weights = block.cross.attention_weights(cross_in, kv, source.mask)
-        for weights in (self_weights, cross_weights):
-            yield float((weights.sum(-1) - 1).abs().max()), 1.0
-        y = block(y, source)
 
 
 def check_padding(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor, eps: float) -> list[Property]:
@@ -109,16 +106,6 @@ def check_decoding(model: EncoderDecoder, src: torch.Tensor, eps: float) -> list
     ]
 
 
-def check_tied(model: EncoderDecoder) -> Property:
-    """§6: a tied vocabulary head is the shared token embedding tensor itself, not a copy."""
-    name = "tied head is the embedding tensor"
-    if not model.config.tied:
-        return Property("§6", name, None, None, None, "untied model: its head is a matrix of its own")
-    same = model.lm_head.weight is model.wte.weight
-    return Property("§6", name, gap_of(model.lm_head.weight, model.wte.weight)[0], 0.0, same,
-                    f"same object: {same}")
-
-
 @torch.no_grad()
 def verify_seq2seq(model: EncoderDecoder, seed: int = 0, sources: int = 4) -> list[Property]:
     """Measure every property on `model` with random sources (the last one padded) and targets."""
@@ -141,7 +128,7 @@ def verify_seq2seq(model: EncoderDecoder, seed: int = 0, sources: int = 4) -> li
             *check_padding(model, src, tgt, eps),
             *check_dependence(model, src, tgt, generator),
             *check_decoding(model, src, eps),
-            check_tied(model),
+            check_tied(model.config.tied, model.lm_head.weight, model.wte.weight),
         ]
     finally:
         model.train(training)
