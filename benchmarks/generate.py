@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gptlab.config import ModelConfig
-from gptlab.generate import Decoder, decoding_layout, generate
+from gptlab.common import decoding_layout
+from gptlab.config import ModelConfig, SamplingConfig
+from gptlab.generate import Decoder, generate
 from gptlab.model import GPT
 
 LENGTHS = (128, 512, 1024)
@@ -101,11 +102,15 @@ def token_times(tokens: Iterator[torch.Tensor]) -> list[float]:
 
 
 def gptlab_cached(model: GPT, prompt: list[int], n_new: int) -> list[float]:
-    return token_times(generate(model, [prompt], n_new, temperature=0))
+    return token_times(generate(model, [prompt], greedy(n_new)))
 
 
 def gptlab_recompute(model: GPT, prompt: list[int], n_new: int) -> list[float]:
-    return token_times(generate(model, [prompt], n_new, temperature=0, use_cache=False))
+    return token_times(generate(model, [prompt], greedy(n_new), use_cache=False))
+
+
+def greedy(n_new: int) -> SamplingConfig:
+    return SamplingConfig(temperature=0, max_new_tokens=n_new)
 
 
 # name -> (decoder, whether it runs on the decoding layout)
@@ -186,7 +191,7 @@ def transformers_row(name: str, config: ModelConfig, device: torch.device, repea
     decoding_layout(model)  # as `gptlab sample` loads it
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)
     ours, our_tokens = best_seconds(
-        lambda: [int(t) for t in generate(model, [[0]], HF_NEW_TOKENS, temperature=0)], repeats)
+        lambda: [int(t) for t in generate(model, [[0]], greedy(HF_NEW_TOKENS))], repeats)
     theirs, their_tokens = best_seconds(
         lambda: hf.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, use_cache=True,
                             max_new_tokens=HF_NEW_TOKENS, min_new_tokens=HF_NEW_TOKENS,

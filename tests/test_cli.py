@@ -34,6 +34,7 @@ def test_bad_model_options_give_one_line(
     assert err.count("\n") == 1
 
 
+@pytest.mark.slow  # starts a Python process
 def test_bad_option_in_a_real_process_has_no_traceback() -> None:
     result = run_cli("model", "--n-embd", "100", "--n-head", "3")
     assert result.returncode == 2
@@ -43,6 +44,7 @@ def test_bad_option_in_a_real_process_has_no_traceback() -> None:
     ]
 
 
+@pytest.mark.slow  # starts a Python process
 def test_unknown_choice_is_refused_by_the_parser() -> None:
     result = run_cli("model", "--norm", "batchnorm")
     assert result.returncode == 2
@@ -56,6 +58,7 @@ def test_model_command_prints_the_handout_parameter_count(capsys: pytest.Capture
     assert ["attention", "256"] in rows  # §4: 192 + 64
 
 
+@pytest.mark.slow  # starts a Python process
 def test_help_lists_the_commands() -> None:
     result = run_cli("--help")
     assert result.returncode == 0
@@ -63,6 +66,7 @@ def test_help_lists_the_commands() -> None:
         assert command in result.stdout
 
 
+@pytest.mark.slow  # trains the tiny preset for 30 steps
 def test_prepare_train_eval_sample_from_the_command_line(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -86,8 +90,8 @@ def test_prepare_train_eval_sample_from_the_command_line(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["sample", "{run}", "--temperature", "-1"], "--temperature=-1.0 must be >= 0"),
-        (["sample", "{run}", "--top-k", "0"], "--top-k=0 must be at least 1"),
+        (["sample", "{run}", "--temperature", "-1"], "SamplingConfig.temperature=-1.0 must be finite"),
+        (["sample", "{run}", "--top-k", "0"], "SamplingConfig.top_k=0 must be at least 1"),
         (["sample", "{run}", "--prompt", "xyz"], "character 'x'"),
         (["eval", "{tmp}/nowhere"], "no run folder or checkpoint"),
         (["prepare", "{tmp}/empty.txt", "--out", "{tmp}/d"], "empty"),

@@ -21,7 +21,7 @@ from torch.testing import assert_close
 from gptlab import convert
 from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
-from gptlab.config import ModelConfig
+from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import generate
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, BPETokenizer, Tokenizer, train_tokenizer
@@ -106,7 +106,7 @@ def assert_same_behaviour(ours: GPT, hf: Any, vocab_size: int) -> dict[str, floa
     assert_close(logits, reference.logits, atol=1e-5, rtol=0)
     assert_close(loss, reference.loss, atol=1e-5, rtol=0)
     prompt = ids[:1, :PROMPT]
-    greedy = torch.cat(list(generate(ours, prompt, STEPS, temperature=0)), dim=1)
+    greedy = torch.cat(list(generate(ours, prompt, SamplingConfig(temperature=0, max_new_tokens=STEPS))), 1)
     hf_greedy = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                             max_new_tokens=STEPS, pad_token_id=0)[:, PROMPT:]
     assert torch.equal(greedy, hf_greedy)
@@ -167,7 +167,7 @@ def test_gpt2_tokenizer_exports_from_tiktoken_ranks(
         def decode_single_token_bytes(self, i: int) -> bytes:
             return by_id[i]
 
-    monkeypatch.setattr("gptlab.tokenizer._load_gpt2_encoding", Encoding)
+    monkeypatch.setattr("gptlab.tokenizer.load_gpt2_encoding", Encoding)
     config = ModelConfig(vocab_size=bpe.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=8)
     save_checkpoint(tmp_path / "run" / BEST, Checkpoint(config, {"kind": "gpt2"}, model_tensors(GPT(config))))
     convert.export_hf(tmp_path / "run", tmp_path / "hf")

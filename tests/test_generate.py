@@ -6,28 +6,26 @@ from __future__ import annotations
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from conftest import tiny_config
 from gptlab.checkpoint import Checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
-from gptlab.config import ARRANGEMENTS, POSITIONS
+from gptlab.common import decoding_layout
+from gptlab.config import ARRANGEMENTS, POSITIONS, ModelConfig, SamplingConfig
 from gptlab.generate import (
     Chunk,
     Decoder,
-    check_sampling,
-    decoding_layout,
     generate,
     stream_text,
     text_chunks,
-    token_probabilities,
 )
 from gptlab.model import GPT
+from gptlab.sampling import token_probabilities
 from gptlab.tokenizer import ByteTokenizer, CharTokenizer
 
 WINDOW = 16  # small, so that 200 steps cross the context window many times
@@ -35,22 +33,28 @@ STEPS = 200
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models run one small op after another: a second thread only adds hand-over time."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models only lose time to a 2nd thread
+
+RandomModel = Callable[..., GPT]  # the `random_model` fixture below
 
 
-def random_model(**changes: object) -> GPT:
-    """A tiny model with weights large enough that every part of it moves the logits."""
-    model = GPT(tiny_config(block_size=WINDOW, **changes)).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.4)
-    return model
+@pytest.fixture
+def random_model(tiny_config: Callable[..., ModelConfig]) -> RandomModel:
+    """`random_model(**changes)`: a tiny model with weights large enough that every part of it moves the
+    logits."""
+
+    def make(**changes: object) -> GPT:
+        model = GPT(tiny_config(block_size=WINDOW, **changes)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.4)
+        return model
+
+    return make
+
+
+def greedy(steps: int) -> SamplingConfig:
+    return SamplingConfig(temperature=0, max_new_tokens=steps)
 
 
 def rows_of(stream: Iterator[torch.Tensor]) -> list[list[int]]:
@@ -65,11 +69,15 @@ def seeded(seed: int) -> torch.Generator:
 # ---------------------------------------------------------------- cached = recomputed = plain forward
 
 COMBINATIONS = list(itertools.product(POSITIONS, ("layernorm", "rmsnorm"), ARRANGEMENTS, (True, False)))
+# 32 combinations of 200 steps, about 0.3 s each: `make test-fast` decodes every 7th (5, which between them
+# cover every position scheme, norm, arrangement and tying), `make test` all of them.
+SAMPLED_COMBINATIONS = [c if i % 7 == 0 else pytest.param(*c, marks=pytest.mark.slow)
+                        for i, c in enumerate(COMBINATIONS)]
 
 
-@pytest.mark.parametrize(("positions", "norm", "arrangement", "tied"), COMBINATIONS)
+@pytest.mark.parametrize(("positions", "norm", "arrangement", "tied"), SAMPLED_COMBINATIONS)
 def test_cached_logits_equal_recomputed_logits_for_200_steps(
-    positions: str, norm: str, arrangement: str, tied: bool
+    positions: str, norm: str, arrangement: str, tied: bool, random_model: RandomModel
 ) -> None:
     """Across the window boundary, the logits agree to 1e-5 and the greedy choice is the same at every
     step, for two rows of a batch: one decoded greedily, one sampled (a varied sequence, since a loop of
@@ -94,19 +102,23 @@ def test_cached_logits_equal_recomputed_logits_for_200_steps(
 
 
 @pytest.mark.parametrize("positions", POSITIONS)
-def test_greedy_and_seeded_generation_are_the_same_without_the_cache(positions: str) -> None:
+def test_greedy_and_seeded_generation_are_the_same_without_the_cache(
+    positions: str, random_model: RandomModel
+) -> None:
     model = random_model(positions=positions)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
     for temperature in (0.0, 1.0):
-        cached = rows_of(generate(model, prompts, STEPS, temperature, generator=seeded(3)))
-        recomputed = rows_of(generate(model, prompts, STEPS, temperature, generator=seeded(3),
-                                      use_cache=False))
+        sampling = SamplingConfig(temperature=temperature, max_new_tokens=STEPS)
+        cached = rows_of(generate(model, prompts, sampling, generator=seeded(3)))
+        recomputed = rows_of(generate(model, prompts, sampling, generator=seeded(3), use_cache=False))
         assert cached == recomputed
         assert len(cached[0]) == STEPS
 
 
 @pytest.mark.parametrize("positions", POSITIONS)
-def test_cache_gives_the_plain_forward_logits_inside_the_window(positions: str) -> None:
+def test_cache_gives_the_plain_forward_logits_inside_the_window(
+    positions: str, random_model: RandomModel
+) -> None:
     """Independent of the recompute loop: below the window, each cached step equals model(row)[-1]."""
     model = random_model(positions=positions)
     decoder = Decoder(model, [[3, 1, 4, 1, 5], [9, 2]])
@@ -118,7 +130,7 @@ def test_cache_gives_the_plain_forward_logits_inside_the_window(positions: str) 
 
 
 @pytest.mark.parametrize("positions", ["rope", "none"])
-def test_sliding_window_is_a_band_mask(positions: str) -> None:
+def test_sliding_window_is_a_band_mask(positions: str, random_model: RandomModel) -> None:
     """With one layer, a band of W keys is exactly the last W tokens (these schemes see only relative
     positions); with two it is not, because older tokens live on in the kept keys (module docstring)."""
     sequence = torch.randint(0, 13, (1, 40), generator=seeded(1)).tolist()[0]
@@ -135,7 +147,7 @@ def test_sliding_window_is_a_band_mask(positions: str) -> None:
             assert not torch.allclose(decoder.logits()[0], last_window, atol=1e-3)
 
 
-def test_learned_positions_restart_from_the_last_half_window() -> None:
+def test_learned_positions_restart_from_the_last_half_window(random_model: RandomModel) -> None:
     """Independent of the recompute loop: the written-out rule, then the plain forward on the window."""
     model = random_model(positions="learned")
     decoder = Decoder(model, [[1, 2, 3]])
@@ -152,13 +164,13 @@ def test_learned_positions_restart_from_the_last_half_window() -> None:
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_batched_prompts_of_different_lengths_give_each_prompt_its_own_tokens(
-    positions: str, use_cache: bool
+    positions: str, use_cache: bool, random_model: RandomModel
 ) -> None:
     model = random_model(positions=positions)
     prompts = [[5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 7, 2, 9, 1]]
-    batched = rows_of(generate(model, prompts, 3 * WINDOW, temperature=0, use_cache=use_cache))
+    batched = rows_of(generate(model, prompts, greedy(3 * WINDOW), use_cache=use_cache))
     for prompt, row in zip(prompts, batched, strict=True):
-        assert [row] == rows_of(generate(model, [prompt], 3 * WINDOW, temperature=0, use_cache=use_cache))
+        assert [row] == rows_of(generate(model, [prompt], greedy(3 * WINDOW), use_cache=use_cache))
     # and on varied (sampled) rows, the logits of the padded batch equal each row's alone, step by step
     decoders = [Decoder(model, prompts, use_cache)] + [Decoder(model, [p], use_cache) for p in prompts]
     for step in range(3 * WINDOW):
@@ -171,15 +183,15 @@ def test_batched_prompts_of_different_lengths_give_each_prompt_its_own_tokens(
             alone.append(tokens[b : b + 1])
 
 
-def test_prompts_longer_than_the_window_keep_their_last_tokens() -> None:
+def test_prompts_longer_than_the_window_keep_their_last_tokens(random_model: RandomModel) -> None:
     model = random_model(positions="rope")
     prompt = torch.randint(0, 13, (1, 3 * WINDOW), generator=seeded(2))
-    first = next(generate(model, prompt, 1, temperature=0))
+    first = next(generate(model, prompt, greedy(1)))
     assert first.item() == model(prompt[:, -WINDOW:])[0][0, -1].argmax().item()
 
 
 @pytest.mark.slow
-def test_cached_greedy_generation_matches_transformers_gpt2() -> None:
+def test_cached_greedy_generation_matches_transformers_gpt2(random_model: RandomModel) -> None:
     """Hugging Face's GPT-2, with its own KV cache, on the same weights: same tokens, same logits."""
     pytest.importorskip("transformers")
     from gptlab.convert import to_transformers
@@ -200,17 +212,17 @@ def test_cached_greedy_generation_matches_transformers_gpt2() -> None:
 # ---------------------------------------------------------------------------------------- sampling
 
 
-def test_the_decoding_layout_changes_strides_only(run: Path) -> None:
+def test_the_decoding_layout_changes_strides_only(run: Path, random_model: RandomModel) -> None:
     model = random_model()
     prompt = torch.tensor([[1, 2, 3]])
     before = model(prompt)[0]
-    tokens = rows_of(generate(model, prompt, 30, temperature=0.0))
+    tokens = rows_of(generate(model, prompt, greedy(30)))
     decoding_layout(decoding_layout(model))  # twice: the second call changes nothing
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
     assert model.lm_head.weight is model.transformer.wte.weight  # still tied
     assert_close(model(prompt)[0], before, atol=1e-6, rtol=1e-6)
-    assert rows_of(generate(model, prompt, 30, temperature=0.0)) == tokens
+    assert rows_of(generate(model, prompt, greedy(30))) == tokens
     loaded, _ = load_run(run)  # models loaded for inference on the CPU come in this layout
     assert loaded.lm_head.weight.t().is_contiguous()
 
@@ -218,7 +230,7 @@ def test_the_decoding_layout_changes_strides_only(run: Path) -> None:
 def test_sampled_distribution_sums_to_one_after_every_filter() -> None:
     logits = 3 * torch.randn(4, 50)
     for temperature, top_k, top_p in itertools.product((0.5, 1.0, 2.0), (None, 1, 7), (1.0, 0.9, 0.3)):
-        probs = token_probabilities(logits, temperature, top_k, top_p)
+        probs = token_probabilities(logits, SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p))
         assert_close(probs.sum(-1), torch.ones(4))
         if top_k is not None:
             assert ((probs > 0).sum(-1) <= top_k).all()
@@ -228,22 +240,24 @@ def test_top_p_keeps_exactly_the_smallest_set_that_reaches_p() -> None:
     probs = torch.tensor([[0.1, 0.4, 0.2, 0.3]])  # sorted: 0.4 (id 1), 0.3 (id 3), 0.2 (id 2), 0.1 (id 0)
     for top_p, kept in [(0.3, {1}), (0.45, {1, 3}), (0.65, {1, 3}), (0.75, {1, 3, 2}), (0.95, {0, 1, 2, 3}),
                         (1.0, {0, 1, 2, 3})]:
-        result = token_probabilities(probs.log(), 1.0, top_p=top_p)[0]
+        result = token_probabilities(probs.log(), SamplingConfig(top_p=top_p))[0]
         assert set(result.nonzero().flatten().tolist()) == kept, top_p
         expected = torch.tensor([p if i in kept else 0.0 for i, p in enumerate(probs[0].tolist())])
         assert_close(result, expected / expected.sum())
     # a set whose probability equals p exactly reaches it: two of four equally likely tokens for p = 0.5
-    equal = token_probabilities(torch.zeros(1, 4), 1.0, top_p=0.5)
+    equal = token_probabilities(torch.zeros(1, 4), SamplingConfig(top_p=0.5))
     assert_close(equal, torch.tensor([[0.5, 0.5, 0.0, 0.0]]))
 
 
-def test_top_k_of_one_is_greedy_and_the_same_seed_gives_the_same_samples() -> None:
+def test_top_k_of_one_is_greedy_and_the_same_seed_gives_the_same_samples(random_model: RandomModel) -> None:
     model = random_model(positions="rope")
-    greedy = rows_of(generate(model, [[1, 2, 3]], 40, temperature=0))
-    assert rows_of(generate(model, [[1, 2, 3]], 40, temperature=1.3, top_k=1, generator=seeded(5))) == greedy
+    top_1 = SamplingConfig(temperature=1.3, top_k=1, max_new_tokens=40)
+    assert rows_of(generate(model, [[1, 2, 3]], top_1, generator=seeded(5))) == rows_of(
+        generate(model, [[1, 2, 3]], greedy(40)))
 
     def sample(seed: int) -> list[list[int]]:
-        return rows_of(generate(model, [[1, 2, 3]], 40, 1.0, 5, seeded(seed), top_p=0.9))
+        sampling = SamplingConfig(top_k=5, top_p=0.9, max_new_tokens=40)
+        return rows_of(generate(model, [[1, 2, 3]], sampling, generator=seeded(seed)))
 
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
@@ -252,20 +266,26 @@ def test_top_k_of_one_is_greedy_and_the_same_seed_gives_the_same_samples() -> No
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(temperature=-0.5), "--temperature=-0.5 must be >= 0"),
-        (dict(top_k=0), "--top-k=0 must be at least 1"),
-        (dict(top_p=0.0), "--top-p=0.0 must be in (0, 1]"),
-        (dict(top_p=1.5), "--top-p=1.5 must be in (0, 1]"),
-        (dict(max_new_tokens=-1), "--max-new-tokens=-1 must not be negative"),
+        (dict(temperature=-0.5), "SamplingConfig.temperature=-0.5 must be finite and >= 0"),
+        (dict(temperature=float("inf")), "SamplingConfig.temperature=inf must be finite and >= 0"),
+        (dict(top_k=0), "SamplingConfig.top_k=0 must be at least 1"),
+        (dict(top_p=0.0), "SamplingConfig.top_p=0.0 must be in (0, 1]"),
+        (dict(top_p=1.5), "SamplingConfig.top_p=1.5 must be in (0, 1]"),
+        (dict(max_new_tokens=-1), "SamplingConfig.max_new_tokens=-1 must not be negative"),
+        (dict(stop=["\n", ""]), "SamplingConfig.stop=['\\n', '']: stop strings must not be empty"),
+        (dict(top_k="3"), "SamplingConfig.top_k='3' must be of type int"),
     ],
 )
-def test_invalid_settings_are_one_line_errors(settings: dict, message: str) -> None:
-    values = dict(temperature=1.0, top_k=None, max_new_tokens=10, top_p=1.0) | settings
+def test_invalid_settings_are_one_line_errors_naming_the_field(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)) as err:
-        check_sampling(**values)
+        SamplingConfig(**settings)
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="must"):
-        list(generate(random_model(), [[1]], **values))
+
+
+def test_sampling_config_round_trips_through_json() -> None:
+    config = SamplingConfig(temperature=0.7, top_k=5, top_p=0.9, max_new_tokens=9, stop=("\n", "E"), seed=3)
+    assert SamplingConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert SamplingConfig.from_dict({"stop": ["a"]}).stop == ("a",)
 
 
 # ------------------------------------------------------------------------------------------ stopping
@@ -296,23 +316,25 @@ def test_cut_characters_are_held_back_until_complete() -> None:
     assert all("\ufffd" not in c.text for c in chunks)
 
 
-def test_generation_stops_at_the_end_of_text_token() -> None:
+def test_generation_stops_at_the_end_of_text_token(random_model: RandomModel) -> None:
     model = random_model(vocab_size=CharTokenizer.train("abcdefghijklm").vocab_size)
     tokenizer = CharTokenizer.train("abcdefghijklm")
-    free = [c.token for c in stream_text(model, tokenizer, "abc", 30, 1.0, generator=seeded(4))][:-1]
+    sampling = SamplingConfig(max_new_tokens=30)
+    free = [c.token for c in stream_text(model, tokenizer, "abc", sampling, generator=seeded(4))][:-1]
     tokenizer.eot_id = free[6]
     stop_at = free.index(tokenizer.eot_id)
-    chunks = list(stream_text(model, tokenizer, "abc", 30, 1.0, generator=seeded(4)))
+    chunks = list(stream_text(model, tokenizer, "abc", sampling, generator=seeded(4)))
     assert [c.token for c in chunks[:-1]] == free[: stop_at + 1]
     assert "".join(c.text for c in chunks) == tokenizer.decode(free[:stop_at])
     assert chunks[-1].stop_reason == "eot"
 
 
-def test_a_batch_stops_when_every_row_has_ended() -> None:
+def test_a_batch_stops_when_every_row_has_ended(random_model: RandomModel) -> None:
     model = random_model()
-    free = rows_of(generate(model, [[1], [2, 3]], 30, 1.0, generator=seeded(8)))
+    sampling = SamplingConfig(max_new_tokens=30)
+    free = rows_of(generate(model, [[1], [2, 3]], sampling, generator=seeded(8)))
     eot = free[0][4]
-    rows = rows_of(generate(model, [[1], [2, 3]], 30, 1.0, generator=seeded(8), eot_id=eot))
+    rows = rows_of(generate(model, [[1], [2, 3]], sampling, generator=seeded(8), eot_id=eot))
     ends = [row.index(eot) if eot in row else 29 for row in free]
     assert len(rows[0]) == max(ends) + 1
     for row, free_row, end in zip(rows, free, ends, strict=True):
@@ -324,7 +346,7 @@ def test_a_batch_stops_when_every_row_has_ended() -> None:
 
 
 @pytest.fixture
-def run(tmp_path: Path) -> Path:
+def run(tmp_path: Path, random_model: RandomModel) -> Path:
     """A run folder holding an untrained tiny model with a character tokenizer."""
     tokenizer = CharTokenizer.train("abcdefghijklmnopqrstuvwxyz .\n")
     model = random_model(vocab_size=tokenizer.vocab_size)
@@ -360,9 +382,10 @@ def test_cli_json_streaming_stop_strings_and_the_naive_loop(run: Path, capsys: p
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--top-p", "0"], "--top-p=0.0 must be in (0, 1]"),
-        (["--max-new-tokens", "-3"], "--max-new-tokens=-3 must not be negative"),
-        (["--stop", ""], "--stop strings must not be empty"),
+        (["--top-p", "0"], "SamplingConfig.top_p=0.0 must be in (0, 1]"),
+        (["--max-new-tokens", "-3"], "SamplingConfig.max_new_tokens=-3 must not be negative"),
+        (["--stop", ""], "stop strings must not be empty"),
+        (["--temperature", "inf"], "SamplingConfig.temperature=inf must be finite"),
         (["--num-samples", "0"], "--num-samples=0 must be at least 1"),
         (["--prompt", ""], "the prompt encodes to no tokens"),
         (["--prompt-file", "{tmp}/missing.txt"], "missing.txt"),

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from conftest import tiny_config
-from gptlab.config import ARRANGEMENTS, FFNS, NORMS, POSITIONS
+from gptlab.config import ARRANGEMENTS, FFNS, NORMS, POSITIONS, ModelConfig
 from gptlab.model import (
     GPT,
     KERNELS,
@@ -21,6 +21,8 @@ from gptlab.model import (
     SinusoidalPositions,
     parameter_count,
 )
+
+TinyConfig = Callable[..., ModelConfig]  # the `tiny_config` fixture of conftest.py
 
 ALL_OPTIONS = list(itertools.product(NORMS, ARRANGEMENTS, POSITIONS, FFNS, (True, False)))
 
@@ -40,7 +42,7 @@ def future_gradient(model: GPT, idx: torch.Tensor) -> tuple[float, float]:
 
 @pytest.mark.parametrize(("norm", "arrangement", "positions", "ffn", "tied"), ALL_OPTIONS)
 def test_every_option_combination_builds_trains_and_stays_causal(
-    norm: str, arrangement: str, positions: str, ffn: str, tied: bool
+    norm: str, arrangement: str, positions: str, ffn: str, tied: bool, tiny_config: TinyConfig
 ) -> None:
     config = tiny_config(norm=norm, arrangement=arrangement, positions=positions, ffn=ffn, tied=tied)
     model = GPT(config)
@@ -57,7 +59,7 @@ def test_every_option_combination_builds_trains_and_stays_causal(
 
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("arrangement", ARRANGEMENTS)
-def test_naive_and_sdpa_kernels_agree(positions: str, arrangement: str) -> None:
+def test_naive_and_sdpa_kernels_agree(positions: str, arrangement: str, tiny_config: TinyConfig) -> None:
     config = tiny_config(positions=positions, arrangement=arrangement, n_embd=16, n_head=4)
     fast = GPT(config)
     naive = GPT(config.replace(attention="naive"))
@@ -88,7 +90,7 @@ def loop_attention(attn: CausalSelfAttention, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "naive"])
-def test_attention_matches_a_written_out_loop(kernel: str) -> None:
+def test_attention_matches_a_written_out_loop(kernel: str, tiny_config: TinyConfig) -> None:
     attn = CausalSelfAttention(tiny_config(n_embd=12, n_head=3, attention=kernel))
     with torch.no_grad():
         for p in attn.parameters():
@@ -97,7 +99,7 @@ def test_attention_matches_a_written_out_loop(kernel: str) -> None:
     assert_close(attn(x), loop_attention(attn, x), atol=1e-5, rtol=1e-5)
 
 
-def test_attention_weights_are_causal_rows_of_a_distribution() -> None:
+def test_attention_weights_are_causal_rows_of_a_distribution(tiny_config: TinyConfig) -> None:
     attn = CausalSelfAttention(tiny_config())
     weights = attn.attention_weights(torch.randn(3, 6, 8))
     assert weights.shape == (3, 2, 6, 6)
@@ -105,7 +107,7 @@ def test_attention_weights_are_causal_rows_of_a_distribution() -> None:
     assert torch.equal(weights.triu(1), torch.zeros_like(weights))
 
 
-def test_loss_is_mean_next_token_cross_entropy_and_skips_minus_one() -> None:
+def test_loss_is_mean_next_token_cross_entropy_and_skips_minus_one(tiny_config: TinyConfig) -> None:
     model = GPT(tiny_config())
     idx = torch.randint(0, 13, (2, 8))
     targets = torch.randint(0, 13, (2, 8))
@@ -117,7 +119,7 @@ def test_loss_is_mean_next_token_cross_entropy_and_skips_minus_one() -> None:
     assert_close(loss, expected)
 
 
-def test_sinusoidal_table_follows_the_formula() -> None:
+def test_sinusoidal_table_follows_the_formula(tiny_config: TinyConfig) -> None:
     config = tiny_config(n_embd=6, n_head=2, positions="sinusoidal")
     table = SinusoidalPositions(config).table
     for pos, k in itertools.product(range(config.block_size), range(3)):
@@ -126,7 +128,7 @@ def test_sinusoidal_table_follows_the_formula() -> None:
         assert table[pos, 2 * k + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
 
 
-def test_rope_scores_depend_only_on_relative_position() -> None:
+def test_rope_scores_depend_only_on_relative_position(tiny_config: TinyConfig) -> None:
     rotary = Rotary(tiny_config(n_embd=16, n_head=2, block_size=12, positions="rope"))
     q, k = torch.randn(8), torch.randn(8)
 
@@ -141,7 +143,7 @@ def test_rope_scores_depend_only_on_relative_position() -> None:
     assert not torch.allclose(score(5, 2), score(5, 4))
 
 
-def test_rmsnorm_and_swiglu_follow_their_formulas() -> None:
+def test_rmsnorm_and_swiglu_follow_their_formulas(tiny_config: TinyConfig) -> None:
     block = Block(tiny_config(norm="rmsnorm", ffn="swiglu", n_embd=8))
     x = torch.randn(2, 4, 8)
     expected_norm = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * block.ln_1.weight
@@ -153,7 +155,7 @@ def test_rmsnorm_and_swiglu_follow_their_formulas() -> None:
     assert_close(mlp(x), expected_ffn)
 
 
-def test_post_norm_block_output_is_normalised_pre_norm_is_not() -> None:
+def test_post_norm_block_output_is_normalised_pre_norm_is_not(tiny_config: TinyConfig) -> None:
     x = 3 * torch.randn(2, 5, 8) + 1
     post = Block(tiny_config(arrangement="post"))(x)
     assert_close(post.mean(-1), torch.zeros(2, 5), atol=1e-5, rtol=0)
@@ -161,7 +163,7 @@ def test_post_norm_block_output_is_normalised_pre_norm_is_not() -> None:
     assert pre.mean(-1).abs().max() > 0.1
 
 
-def test_gpt2_initialisation() -> None:
+def test_gpt2_initialisation(tiny_config: TinyConfig) -> None:
     model = GPT(tiny_config(n_embd=64, n_head=4, n_layer=8, vocab_size=500, block_size=64))
     assert model.transformer.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
     residual = model.transformer.h[0].attn.c_proj.weight.std().item()
@@ -169,20 +171,20 @@ def test_gpt2_initialisation() -> None:
     assert model.transformer.h[0].mlp.c_fc.bias.abs().max() == 0
 
 
-def test_tied_head_is_the_embedding_tensor() -> None:
+def test_tied_head_is_the_embedding_tensor(tiny_config: TinyConfig) -> None:
     tied, untied = GPT(tiny_config(tied=True)), GPT(tiny_config(tied=False))
     assert tied.lm_head.weight is tied.transformer.wte.weight
     assert untied.lm_head.weight is not untied.transformer.wte.weight
     assert untied.num_parameters() - tied.num_parameters() == 13 * 8
 
 
-def test_too_long_input_is_a_clear_error() -> None:
+def test_too_long_input_is_a_clear_error(tiny_config: TinyConfig) -> None:
     model = GPT(tiny_config())
     with pytest.raises(ValueError, match="sequence length 9 exceeds block_size=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-def test_dropout_only_in_training_mode() -> None:
+def test_dropout_only_in_training_mode(tiny_config: TinyConfig) -> None:
     model = GPT(tiny_config(dropout=0.5))
     idx = torch.randint(0, 13, (1, 8))
     model.train()
@@ -191,7 +193,7 @@ def test_dropout_only_in_training_mode() -> None:
     assert torch.equal(model(idx)[0], model(idx)[0])
 
 
-def test_handout_attention_parameter_count() -> None:
+def test_handout_attention_parameter_count(tiny_config: TinyConfig) -> None:
     # §4: D=8, H=2 without biases: 3D^2 + D^2 = 192 + 64 = 256, for any head count
     for n_head in (1, 2, 4, 8):
         config = tiny_config(n_embd=8, n_head=n_head, n_layer=1, bias=False)
@@ -200,7 +202,7 @@ def test_handout_attention_parameter_count() -> None:
         assert parameter_count(config)["attention"] == 256
 
 
-def test_fast_path_matches_float64_reference() -> None:
+def test_fast_path_matches_float64_reference(tiny_config: TinyConfig) -> None:
     model = GPT(tiny_config(n_embd=16, n_head=4))
     idx = torch.randint(0, 13, (2, 8))
     reference = GPT(tiny_config(n_embd=16, n_head=4, attention="naive")).double()
@@ -212,4 +214,4 @@ def test_fast_path_matches_float64_reference() -> None:
 def test_kernels_agree_when_queries_are_the_last_positions() -> None:
     # Cached decoding asks a few new queries against all keys: both kernels must align the mask alike.
     q, k, v = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
-    assert_close(KERNELS["sdpa"](q, k, v, True), KERNELS["naive"](q, k, v, True))
+    assert_close(KERNELS["sdpa"](q, k, v, None, True), KERNELS["naive"](q, k, v, None, True))

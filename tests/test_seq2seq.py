@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from gptlab import tasks
+from gptlab.cache import KVCache
 from gptlab.checkpoint import load_checkpoint, load_run
+from gptlab.checks import failed
 from gptlab.cli import main
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
-from gptlab.encoder_decoder import DecoderBlock, EncoderDecoder
-from gptlab.generate import greedy_answers
+from gptlab.encoder_decoder import DecoderBlock, EncoderDecoder, decode_answers
 from gptlab.inspection.cross_attention import cross_attention_maps, cross_inputs
-from gptlab.inspection.verify import failed
 from gptlab.inspection.verify_seq2seq import verify_seq2seq
-from gptlab.model import Block, CausalSelfAttention, KVCache
+from gptlab.model import Block, CausalSelfAttention
 from gptlab.train import resume, train_seq2seq
 
 VOCAB = tasks.vocabulary()
@@ -128,8 +128,8 @@ def test_cached_decoding_equals_recomputing(positions: str, arrangement: str, no
     src[1, 6:] = tasks.PAD
     # With eos_id -1 (an id no model outputs) every answer runs to the end of the window.
     for eos in (tasks.EOS, -1):
-        cached = greedy_answers(model, src, tasks.BOS, eos, use_cache=True)
-        assert cached == greedy_answers(model, src, tasks.BOS, eos, use_cache=False)
+        cached = decode_answers(model, src, tasks.BOS, eos, use_cache=True)
+        assert cached == decode_answers(model, src, tasks.BOS, eos, use_cache=False)
     assert {len(answer) for answer in cached} == {model.config.block_size}
 
 
@@ -256,6 +256,7 @@ def reverse_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+@pytest.mark.slow  # reverse_run trains 500 steps
 def test_reverse_reaches_99_percent_exact_match_on_held_out_strings(reverse_run: Path) -> None:
     model, _ = load_run(reverse_run, expect="encoder-decoder")
     score = tasks.exact_match(model, FAST_TASK, 1000, seed=123, device=torch.device("cpu"))
@@ -265,6 +266,7 @@ def test_reverse_reaches_99_percent_exact_match_on_held_out_strings(reverse_run:
     assert (reverse_run / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # reverse_run trains 500 steps
 def test_trained_cross_attention_reads_the_source_backwards(reverse_run: Path) -> None:
     model, vocab = load_run(reverse_run, expect="encoder-decoder")
     maps = cross_attention_maps(model, vocab, FAST_TASK, "abcdef")
@@ -276,6 +278,7 @@ def test_trained_cross_attention_reads_the_source_backwards(reverse_run: Path) -
     assert max((row == anti_diagonal).float().mean() for row in strongest) == 1.0
 
 
+@pytest.mark.slow  # trains 12 steps twice and resumes
 def test_seq2seq_resume_is_exact(tmp_path: Path) -> None:
     short = FAST_TRAIN.replace(max_steps=12, eval_interval=4)
     train_seq2seq(tmp_path / "whole", FAST_TASK, FAST_MODEL, short, progress=False)
@@ -287,6 +290,7 @@ def test_seq2seq_resume_is_exact(tmp_path: Path) -> None:
         assert torch.equal(tensor, split.model_state[name]), name
 
 
+@pytest.mark.slow  # reverse_run trains 500 steps
 def test_verify_passes_on_the_trained_model_and_fails_on_broken_ones(reverse_run: Path) -> None:
     code, out, _ = run_cli("verify", reverse_run)
     assert code == 0 and "8 of 8 hold" in out
@@ -313,6 +317,7 @@ def run_cli(*argv: str | Path) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+@pytest.mark.slow  # reverse_run trains 500 steps
 def test_cli_answers_inputs_and_says_whether_they_are_right(reverse_run: Path) -> None:
     code, out, _ = run_cli("seq2seq", "sample", reverse_run, "--input", "gptlab", "--input", "abc")
     assert code == 0 and out.splitlines() == ["gptlab -> baltpg  (right)", "abc -> cba  (right)"]
@@ -322,12 +327,14 @@ def test_cli_answers_inputs_and_says_whether_they_are_right(reverse_run: Path) -
     assert code == 0 and "exact match on 300 held-out reverse examples" in out
 
 
+@pytest.mark.slow  # reverse_run trains 500 steps
 def test_cli_draws_the_cross_attention_of_a_seq2seq_run(reverse_run: Path, tmp_path: Path) -> None:
     code, out, _ = run_cli("attention", reverse_run, "--prompt", "abcd", "--out", tmp_path / "cross.png")
     assert code == 0 and "'abcd' -> 'dcba'" in out
     assert (tmp_path / "cross.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # reverse_run trains 500 steps
 @pytest.mark.parametrize(("argv", "message"), [
     (("seq2seq", "sample", "RUN", "--input", "ABC"), "'ABC' is not a valid reverse input"),
     (("seq2seq", "sample", "RUN", "--input", "abcdefghij"), "too long for this model's window"),

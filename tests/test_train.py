@@ -16,7 +16,7 @@ import torch
 from torch.testing import assert_close
 
 from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run, save_checkpoint
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.data import prepare
 from gptlab.generate import generate
 from gptlab.presets import resolve_configs
@@ -38,6 +38,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
+@pytest.mark.slow  # trains 40 steps
 def test_loss_falls(data_dir: Path, tmp_path: Path) -> None:
     result = train(tmp_path / "run", data_dir, MODEL, TRAIN, progress=False)
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
@@ -49,6 +50,7 @@ def test_loss_falls(data_dir: Path, tmp_path: Path) -> None:
     assert config["model"]["vocab_size"] == len(set((data_dir.parent / "text.txt").read_text()))
 
 
+@pytest.mark.slow  # trains 40 steps twice
 def test_resume_is_exact(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "whole", data_dir, MODEL, TRAIN, progress=False)
     half = train(tmp_path / "split", data_dir, MODEL, TRAIN, stop_at=17, progress=False)
@@ -63,6 +65,7 @@ def test_resume_is_exact(data_dir: Path, tmp_path: Path) -> None:
         assert torch.equal(tensor, split.rng[name]), name
 
 
+@pytest.mark.slow  # starts a Python process
 def test_checkpoint_gives_the_same_logits_in_a_fresh_process(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=10), progress=False)
     model, tokenizer = load_run(tmp_path / "run")
@@ -149,6 +152,7 @@ def test_an_existing_run_is_never_overwritten(data_dir: Path, tmp_path: Path) ->
         train(tmp_path / "run", data_dir, MODEL, TRAIN, progress=False)
 
 
+@pytest.mark.slow  # trains 40 steps
 def test_best_checkpoint_has_the_lowest_validation_loss(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, TRAIN, progress=False)
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]
@@ -163,7 +167,8 @@ def test_same_seed_gives_the_same_samples(data_dir: Path, tmp_path: Path) -> Non
 
     def sample(seed: int) -> list[int]:
         generator = torch.Generator().manual_seed(seed)
-        return [int(t) for t in generate(model, prompt, 30, temperature=1.0, generator=generator)]
+        tokens = generate(model, prompt, SamplingConfig(max_new_tokens=30), generator=generator)
+        return [int(t) for t in tokens]
 
     assert sample(1) == sample(1)
     assert sample(1) != sample(2)
@@ -173,7 +178,7 @@ def test_generation_crops_long_prompts_to_the_window(data_dir: Path, tmp_path: P
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=2), progress=False)
     model, tokenizer = load_run(tmp_path / "run")
     long_prompt = torch.tensor([tokenizer.encode("the cat sat on the mat. " * 3)])  # 72 > block_size 16
-    greedy = [int(t) for t in generate(model, long_prompt, 3, temperature=0)]
+    greedy = [int(t) for t in generate(model, long_prompt, SamplingConfig(temperature=0, max_new_tokens=3))]
     expected = model(long_prompt[:, -16:])[0][0, -1].argmax().item()
     assert greedy[0] == expected
 
@@ -220,6 +225,7 @@ def test_ctrl_c_saves_and_resume_continues(data_dir: Path, tmp_path: Path) -> No
     assert result.step == step + 3
 
 
+@pytest.mark.slow  # starts a Python process
 def test_train_command_reports_bad_data_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "gptlab", "train", "--data", str(tmp_path / "missing.txt"),
                              "--out", str(tmp_path / "run"), "--no-progress"],

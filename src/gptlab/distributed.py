@@ -2,7 +2,7 @@
 
 gptlab never starts processes itself. `torchrun --nproc_per_node=N -m gptlab train ...` (or with
 `--nnodes`, `--node-rank` and `--rdzv-endpoint` across machines) starts N copies and sets RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `setup` joins that group with NCCL on CUDA and
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `session` joins that group with NCCL on CUDA and
 gloo on CPU. The model stays a plain single-device module: `wrap` applies DistributedDataParallel
 or FSDP2's `fully_shard` around it, and the helpers below move weights and optimiser state in and
 out as full, unsharded tensors, so a checkpoint is the same file whatever the world size.
@@ -40,39 +40,40 @@ class Dist:
         return self.rank == 0
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+def this_process() -> Dist:
+    """This process's rank and the world size, from torchrun's environment (no process group needed)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist()
+    return Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def setup(device_name: str) -> tuple[Dist, torch.device]:
-    """Join torchrun's process group (once) and pick this process's device."""
-    if not launched_by_torchrun():
-        return Dist(), resolve_device(device_name)
-    info = Dist(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+@contextlib.contextmanager
+def session(device_name: str) -> Iterator[tuple[Dist, torch.device]]:
+    """Join torchrun's process group (when launched by it) and pick this process's device; leave on exit."""
+    info = this_process()
     device = resolve_device(device_name)
+    if info.world_size == 1:
+        yield info, device
+        return
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-        if missing:
-            raise ValueError(
-                f"WORLD_SIZE={info.world_size} is set but {' and '.join(missing)} is not: start the run "
-                "with torchrun (e.g. torchrun --nproc_per_node=2 -m gptlab train ...)"
-            )
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        try:
-            dist.init_process_group(backend, timeout=timedelta(minutes=10))
-        except (RuntimeError, ValueError) as err:
-            where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-            raise ValueError(f"could not join the process group at {where}: {err}") from err
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE={info.world_size} is set but {' and '.join(missing)} is not: start the run "
+            "with torchrun (e.g. torchrun --nproc_per_node=2 -m gptlab train ...)"
+        )
+    try:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    except (RuntimeError, ValueError) as err:
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        raise ValueError(f"could not join the process group at {where}: {err}") from err
     if not info.is_main:
         logging.getLogger("gptlab").setLevel(logging.WARNING)  # one voice: rank 0 reports
-    return info, device
-
-
-def shutdown() -> None:
-    if dist.is_initialized():
+    try:
+        yield info, device
+    finally:
         dist.destroy_process_group()
 
 

@@ -24,26 +24,26 @@ Deliberate choices:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from gptlab.config import Seq2SeqConfig
+from gptlab.cache import KVCache
+from gptlab.config import SamplingConfig, Seq2SeqConfig
 from gptlab.model import (
-    MASKED_KERNELS,
+    KERNELS,
     NORMS,
-    POSITIONS,
     Block,
-    KVCache,
+    LanguageModel,
     attention_scores,
-    init_weights,
     masked_softmax,
     merge_heads,
     next_token_loss,
+    residual_stack,
     split_heads,
 )
+from gptlab.sampling import next_token, sampler
 
 
 class CrossAttention(nn.Module):
@@ -55,7 +55,7 @@ class CrossAttention(nn.Module):
         self.c_q = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_Q, on the decoder
         self.c_kv = nn.Linear(config.n_embd, 2 * config.n_embd, bias=config.bias)  # [W_K W_V], on memory
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
-        self.masked_kernel = MASKED_KERNELS[config.attention]
+        self.kernel = KERNELS[config.attention]
 
     def keys_values(self, memory: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the encoder's output (B, S, D): two (B, H, S, hs), computed once."""
@@ -66,7 +66,7 @@ class CrossAttention(nn.Module):
                 mask: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> same
         """Every decoder position attends over the real source positions (`mask` (B, 1, 1, S))."""
         q = split_heads(self.c_q(x), self.n_head)  # (B, H, T, hs)
-        y = self.masked_kernel(q, *keys_values, mask)  # (B, H, T, hs)
+        y = self.kernel(q, *keys_values, mask, False)  # (B, H, T, hs): no causal mask across sequences
         return self.c_proj(merge_heads(y))
 
     def attention_weights(self, x: torch.Tensor, keys_values: tuple[torch.Tensor, torch.Tensor],
@@ -101,49 +101,21 @@ class EncodedSource:
     keys_values: list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer, two (B, H, S, hs)
 
 
-def _stack(config: Seq2SeqConfig, blocks: list[nn.Module]) -> nn.ModuleDict:
-    """Positions, dropout, blocks and final norm: one side of the model (the embedding is shared)."""
-    return nn.ModuleDict(dict(
-        wpe=POSITIONS[config.positions](config),
-        drop=nn.Dropout(config.dropout),
-        h=nn.ModuleList(blocks),
-        ln_f=NORMS[config.norm](config) if config.arrangement == "pre" else nn.Identity(),
-    ))
-
-
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(LanguageModel):
     """Shared embedding; encoder of unmasked Blocks; decoder of DecoderBlocks; vocabulary head."""
 
     def __init__(self, config: Seq2SeqConfig) -> None:
-        super().__init__()
-        self.config = config
-        encoder_config = config.encoder_config()
+        super().__init__(config)
+        unmasked = config.encoder_config()
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # E, (V, D), sources and targets
-        self.encoder = _stack(config, [Block(encoder_config, n) for n in range(config.n_encoder_layer)])
-        self.decoder = _stack(config, [DecoderBlock(config, n) for n in range(config.n_layer)])
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tied:
-            self.lm_head.weight = self.wte.weight
-        self.apply(init_weights)
-        depth = config.n_encoder_layer + config.n_layer  # as GPT: residual writers scaled by depth
-        for name, param in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * depth))
-
-    def _embed(self, stack: nn.ModuleDict, idx: torch.Tensor,
-               positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Input rows E[w] + p of token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
-        if idx.size(1) > self.config.block_size:
-            raise ValueError(f"sequence length {idx.size(1)} exceeds block_size={self.config.block_size}: "
-                             "use shorter inputs or a model with a larger block_size")
-        if positions is None:
-            positions = torch.arange(idx.size(1), device=idx.device).unsqueeze(0)  # (1, T)
-        return stack.drop(stack.wpe(self.wte(idx), positions))
+        self.encoder = residual_stack(config, [Block(unmasked, n) for n in range(config.n_encoder_layer)])
+        self.decoder = residual_stack(config, [DecoderBlock(config, n) for n in range(config.n_layer)])
+        self.add_head_and_init(self.wte, depth=config.n_encoder_layer + config.n_layer)
 
     def encode(self, src: torch.Tensor) -> EncodedSource:
         """Run the encoder on source ids (B, S), padded with `pad_id`, and prepare cross-attention."""
         mask = (src != self.config.pad_id)[:, None, None, :]  # (B, 1, 1, S)
-        x = self._embed(self.encoder, src)  # (B, S, D)
+        x = self.input_rows(self.encoder, self.wte, src)  # (B, S, D)
         for block in self.encoder.h:
             x = block(x, mask=mask)  # every real source position sees every other
         memory = self.encoder.ln_f(x)  # (B, S, D)
@@ -154,7 +126,7 @@ class EncoderDecoder(nn.Module):
                last_only: bool = False) -> torch.Tensor:
         """Logits (B, T or 1, V) after each target id (B, T); with a cache, tgt holds only new ids."""
         positions = None if cache is None else cache.advance(tgt.size(1))  # (B, T)
-        x = self._embed(self.decoder, tgt, positions)  # (B, T, D)
+        x = self.input_rows(self.decoder, self.wte, tgt, positions)  # (B, T, D)
         for block in self.decoder.h:
             x = block(x, source, cache)
         if last_only:
@@ -171,6 +143,32 @@ class EncoderDecoder(nn.Module):
         logits = self.decode(tgt, self.encode(src))  # (B, T, V)
         return logits, None if targets is None else next_token_loss(logits, targets)
 
-    def num_parameters(self) -> int:
-        """Trainable parameters, counting a tied embedding/head tensor once."""
-        return sum(p.numel() for p in self.parameters())
+
+@torch.no_grad()
+def decode_answers(model: EncoderDecoder, sources: torch.Tensor, bos_id: int, eos_id: int,
+                   sampling: SamplingConfig | None = None, *, use_cache: bool = True,
+                   generator: torch.Generator | None = None) -> list[list[int]]:
+    """The encoder-decoder's answer to each padded source (B, S), up to (without) its <eos>.
+
+    Tokens are chosen as `sampling` says (default: greedy). The source is encoded once, with every
+    decoder layer's cross-attention keys and values. With `use_cache` the decoder's self-attention
+    keeps its keys and values in a KVCache and each step feeds one token per row; without it every
+    step recomputes the whole answer so far (the reference). Answers stop at <eos>, after
+    max_new_tokens, or when the decoder's window (block_size inputs) is full.
+    """
+    sampling = sampling or SamplingConfig(temperature=0)
+    generator = generator or sampler(sampling, sources.device)
+    source = model.encode(sources)
+    cache = KVCache(model.config, sources.size(0), device=sources.device,
+                    dtype=source.memory.dtype) if use_cache else None
+    tokens = torch.full((sources.size(0), 1), bos_id, dtype=torch.long, device=sources.device)  # (B, 1)
+    done = torch.zeros(sources.size(0), dtype=torch.bool, device=sources.device)  # (B,)
+    longest = min(model.config.block_size, sampling.max_new_tokens)
+    while tokens.size(1) <= longest and not done.all():
+        fed = tokens[:, -1:] if use_cache else tokens  # the cache holds every earlier position
+        logits = model.decode(fed, source, cache, last_only=True)  # (B, 1, V)
+        new = next_token(logits[:, -1], sampling, generator)[:, 0].masked_fill(done, eos_id)  # (B,)
+        tokens = torch.cat([tokens, new[:, None]], dim=1)  # (B, t + 1); finished rows repeat <eos>
+        done |= new == eos_id
+    rows = tokens[:, 1:].tolist()
+    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]

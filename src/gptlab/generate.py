@@ -20,11 +20,10 @@ The context window (W = block_size) once a generation outgrows it:
   amortised cost is one W/2-token prefill per W/2 steps. The naive loop starts at the same token.
 
 Batches of prompts of different lengths are left-padded; padding is masked out and every row's
-positions count from its own first token, so each row gets the tokens it would get alone. Sampling:
-temperature 0 is greedy; otherwise softmax(logits / temperature), restricted to the top-k tokens and
-then to the smallest set of tokens whose probability reaches top-p, renormalised. Generation stops
-at the tokenizer's end-of-text token, at a stop string (which is never shown, not even its start
-while streaming), or after max_new_tokens.
+positions count from its own first token, so each row gets the tokens it would get alone. Tokens are
+chosen as a `SamplingConfig` says (gptlab.sampling). Generation stops at the tokenizer's end-of-text
+token, at a stop string (which is never shown, not even its start while streaming), or after
+max_new_tokens.
 """
 
 from __future__ import annotations
@@ -33,66 +32,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from gptlab.config import ModelConfig
-from gptlab.encoder_decoder import EncoderDecoder
-from gptlab.model import GPT, KVCache
+from gptlab.cache import KVCache
+from gptlab.config import ModelConfig, SamplingConfig
+from gptlab.model import GPT
+from gptlab.sampling import next_token, sampler
 from gptlab.tokenizer import Tokenizer
-
-
-def decoding_layout(model: nn.Module) -> nn.Module:
-    """Store every nn.Linear weight column-major, in place: the same values and shape, transposed strides.
-
-    At batch 1 a decoding step is one matrix-vector product per weight, and PyTorch's CPU kernels read
-    an (in x out) contiguous matrix about twice as fast as nn.Linear's (out x in) one once it outgrows
-    the caches (GPT-2 small's tied head: 13.3 against 7.4 ms; a whole step: 46.2 against 33.5 ms on a
-    2-core EPYC). Logits are unchanged. `load_run` applies it to models loaded for inference on the CPU;
-    training keeps the usual layout. Applying it twice changes nothing.
-    """
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            module.weight.data = module.weight.data.t().contiguous().t()  # a tied head is converted once
-    return model
-
-
-def check_sampling(temperature: float, top_k: int | None, max_new_tokens: int, top_p: float = 1.0) -> None:
-    """Refuse sampling settings that have no meaning, naming the option and its valid range."""
-    if not temperature >= 0:
-        raise ValueError(f"--temperature={temperature} must be >= 0 (0 means greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"--top-k={top_k} must be at least 1")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"--top-p={top_p} must be in (0, 1] (1 keeps every token)")
-    if max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens={max_new_tokens} must not be negative")
-
-
-def token_probabilities(logits: torch.Tensor, temperature: float, top_k: int | None = None,
-                        top_p: float = 1.0) -> torch.Tensor:
-    """The distribution sampling draws from, (B, V): softmax(logits / temperature), then top-k, then top-p."""
-    logits = logits.float() / temperature  # (B, V)
-    if top_k is not None and top_k < logits.size(-1):
-        kept = torch.zeros_like(logits, dtype=torch.bool)
-        kept.scatter_(-1, logits.topk(top_k, dim=-1).indices, True)  # exactly k tokens, even with ties
-        logits = logits.masked_fill(~kept, float("-inf"))
-    if top_p < 1:
-        probs, order = logits.softmax(dim=-1).sort(dim=-1, descending=True)  # (B, V), most likely first
-        before = probs.cumsum(dim=-1) - probs  # the mass of the tokens more likely than each one
-        # A token is dropped when the more likely ones already reach top_p: what stays is the
-        # smallest set whose probability reaches it (for the first token `before` is exactly 0).
-        dropped = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, before >= top_p)
-        logits = logits.masked_fill(dropped, float("-inf"))
-    return logits.softmax(dim=-1)
-
-
-def next_token(logits: torch.Tensor, temperature: float, top_k: int | None = None,
-               generator: torch.Generator | None = None, top_p: float = 1.0) -> torch.Tensor:
-    """Choose one token per row from logits (B, V): the largest at temperature 0, else a sample, (B, 1)."""
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = token_probabilities(logits, temperature, top_k, top_p)
-    return torch.multinomial(probs, num_samples=1, generator=generator)
 
 
 def window_start(config: ModelConfig, start: int, length: int) -> int:
@@ -182,20 +127,21 @@ class Decoder:
 
 
 @torch.no_grad()
-def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int,
-             temperature: float = 1.0, top_k: int | None = None, generator: torch.Generator | None = None, *,
-             top_p: float = 1.0, eot_id: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], sampling: SamplingConfig, *,
+             generator: torch.Generator | None = None, eot_id: int | None = None,
+             use_cache: bool = True) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt, (B, 1), one step at a time, as soon as it is chosen.
 
     `prompts` is a (B, T) tensor or a list of token lists of any lengths. A row that has produced
     `eot_id` keeps yielding it; the generation ends when every row has, or after max_new_tokens.
+    `generator` (default: one seeded with `sampling.seed`) draws the samples.
     """
-    check_sampling(temperature, top_k, max_new_tokens, top_p)
     model.eval()
     decoder = Decoder(model, prompt_rows(prompts, model.config.block_size), use_cache)
+    generator = generator or sampler(sampling, decoder.device)
     finished = torch.zeros(len(decoder.rows), 1, dtype=torch.bool, device=decoder.device)
-    for _ in range(max_new_tokens):
-        token = next_token(decoder.logits(), temperature, top_k, generator, top_p)  # (B, 1)
+    for _ in range(sampling.max_new_tokens):
+        token = next_token(decoder.logits(), sampling, generator)  # (B, 1)
         if eot_id is not None:
             token = token.masked_fill(finished, eot_id)
             finished |= token == eot_id
@@ -218,22 +164,18 @@ class Chunk:
     stop_reason: str | None = None
 
 
-def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 1.0,
-                top_k: int | None = None, generator: torch.Generator | None = None, *, top_p: float = 1.0,
-                stop: Sequence[str] = (), use_cache: bool = True) -> Iterator[Chunk]:
+def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, sampling: SamplingConfig, *,
+                generator: torch.Generator | None = None, use_cache: bool = True) -> Iterator[Chunk]:
     """Continue `prompt`, yielding each token with the text that can no longer become a stop string.
 
-    The settings are checked at once, before the first chunk is asked for.
+    The prompt is checked at once, before the first chunk is asked for.
     """
-    check_sampling(temperature, top_k, max_new_tokens, top_p)
-    if not all(stop):
-        raise ValueError("--stop strings must not be empty")
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
-        raise ValueError("the prompt encodes to no tokens: give a non-empty --prompt")
-    tokens = generate(model, [prompt_ids], max_new_tokens, temperature, top_k, generator, top_p=top_p,
-                      eot_id=tokenizer.eot_id, use_cache=use_cache)
-    return text_chunks(tokens, tokenizer, stop)
+        raise ValueError("the prompt encodes to no tokens: give a non-empty prompt")
+    tokens = generate(model, [prompt_ids], sampling, generator=generator, eot_id=tokenizer.eot_id,
+                      use_cache=use_cache)
+    return text_chunks(tokens, tokenizer, sampling.stop)
 
 
 def text_chunks(
@@ -268,28 +210,3 @@ def held_back(text: str, stop: Sequence[str]) -> int:
         starts = (k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k]))
         held = max(held, next(starts, 0))
     return held
-
-
-@torch.no_grad()
-def greedy_answers(model: EncoderDecoder, sources: torch.Tensor, bos_id: int, eos_id: int,
-                   use_cache: bool = True) -> list[list[int]]:
-    """The encoder-decoder's greedy answer to each padded source (B, S), up to (without) its <eos>.
-
-    The source is encoded once, with every decoder layer's cross-attention keys and values. With
-    `use_cache` the decoder's self-attention keeps its keys and values in a KVCache and each step
-    feeds one token per row; without it every step recomputes the whole answer so far (the reference).
-    Answers stop at <eos> or when the decoder's window (block_size inputs) is full.
-    """
-    source = model.encode(sources)
-    cache = KVCache(model.config, sources.size(0), device=sources.device,
-                    dtype=source.memory.dtype) if use_cache else None
-    tokens = torch.full((sources.size(0), 1), bos_id, dtype=torch.long, device=sources.device)  # (B, 1)
-    done = torch.zeros(sources.size(0), dtype=torch.bool, device=sources.device)  # (B,)
-    while tokens.size(1) <= model.config.block_size and not done.all():
-        fed = tokens[:, -1:] if use_cache else tokens  # the cache holds every earlier position
-        logits = model.decode(fed, source, cache, last_only=True)  # (B, 1, V)
-        new = logits[:, -1].argmax(dim=-1).masked_fill(done, eos_id)  # finished rows repeat <eos>
-        tokens = torch.cat([tokens, new[:, None]], dim=1)  # (B, t + 1)
-        done |= new == eos_id
-    rows = tokens[:, 1:].tolist()
-    return [row[: row.index(eos_id)] if eos_id in row else row for row in rows]

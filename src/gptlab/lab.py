@@ -2,9 +2,11 @@
 
 Each check function rebuilds one section's numbers with gptlab's own parts (`attention_scores`,
 `masked_softmax`, `attention`, `causal_mask`, `KERNELS`, `CausalSelfAttention`, `MLP`, `NORMS`,
-`Block`, `GPT`, `parameter_count`), not with a toy copy of them, and returns `CheckResult`s that
-state the handout's expectation, the computed value and whether they agree within an explicit
-tolerance. This is the handout's §8 lab, run against the real model.
+`Block`, `GPT`, `parameter_count`), not with a toy copy of them, and returns `Check`s that state the
+handout's expectation, the computed value and whether they agree within an explicit tolerance. This
+is the handout's §8 lab, run against the real model. The handout's worked numbers live here; its
+general properties (rows sum to one, fused = separate, tying, permutation equivariance, causality)
+are the functions of `gptlab.checks`, which `gptlab verify` runs on trained models too.
 
 The model module is always reached through its name (`M.attention_scores`, ...) so that a test
 which monkeypatches `gptlab.model` breaks the lab too: that is how the tests prove the checks bite.
@@ -18,101 +20,45 @@ Shape legend: B batch, T positions, D model width, H heads, hs head size, V voca
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from gptlab import model as M
+from gptlab.checks import (
+    Check,
+    close,
+    differs,
+    exceeds,
+    fused_and_separate,
+    identical,
+    ignores_later_inputs,
+    permutation_equivariant,
+    rows_sum_to_one,
+    tied_head,
+)
 from gptlab.config import ModelConfig
 
-Reference = torch.Tensor | Sequence
-Check = Callable[[], "list[CheckResult]"]
+Section = Callable[[], "list[Check]"]  # one section's checks, seeded on their own
 
 
-@dataclass(frozen=True)
-class CheckResult:
-    """One verified statement: the handout's expectation beside what the library computed."""
+def _seeded(seed: int) -> Callable[[Section], Section]:
+    """Run a section with the global generator seeded (module initialisers draw from it) and float32
+    as the default dtype, restoring the caller's generator and dtype afterwards."""
 
-    section: str  # e.g. "§2.1"
-    name: str  # short description, e.g. "retrieval output y"
-    expected: str  # human-readable expectation, with its tolerance
-    computed: str  # human-readable computed value
-    passed: bool
-
-
-# ---------------------------------------------------------------------------------------------
-# Reporting helpers: every comparison states its tolerance and reports the largest difference.
-
-
-def _fmt(values: torch.Tensor | Sequence | float) -> str:
-    """Nested lists with six decimals; tensors too big to read are summarised by their shape."""
-    if isinstance(values, torch.Tensor):
-        if values.numel() > 16:
-            return f"<tensor of shape {tuple(values.shape)}>"
-        values = values.detach().double().tolist()
-    if isinstance(values, (list, tuple)):
-        return "[" + ", ".join(_fmt(v) for v in values) + "]"
-    return f"{round(float(values), 6) + 0.0:.6f}"  # + 0.0 turns -0.0 into 0.0
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.shape != b.shape:
-        return math.inf
-    if a.numel() == 0:
-        return 0.0
-    return (a.detach().double() - b.detach().double()).abs().max().item()
-
-
-def _close(section: str, name: str, computed: torch.Tensor, reference: Reference, tol: float,
-           shown: str | None = None) -> CheckResult:
-    """computed matches reference elementwise within tol (a NaN or a shape mismatch fails)."""
-    ref = reference if isinstance(reference, torch.Tensor) else torch.tensor(reference, dtype=torch.float64)
-    diff = _max_diff(computed, ref)
-    return CheckResult(section, name, f"{shown or _fmt(ref)} (max |diff| <= {tol:g})",
-                       f"{_fmt(computed)} (max |diff| = {diff:.1e})", diff <= tol)
-
-
-def _identical(section: str, name: str, computed: torch.Tensor, reference: torch.Tensor,
-               what: str) -> CheckResult:
-    same = torch.equal(computed, reference)
-    return CheckResult(section, name, f"{what}: bit-identical (torch.equal)",
-                       f"torch.equal = {same}, max |diff| = {_max_diff(computed, reference):.1e}", same)
-
-
-def _exceeds(section: str, name: str, value: float, bound: float, what: str) -> CheckResult:
-    """A property that must visibly hold: value > bound (e.g. outputs do move)."""
-    return CheckResult(section, name, f"{what} > {bound:g}", f"{value:.3e}", value > bound)
-
-
-def _differs(section: str, name: str, a: torch.Tensor, b: torch.Tensor, bound: float) -> CheckResult:
-    return _exceeds(section, name, _max_diff(a, b), bound, "max |diff|")
-
-
-@contextlib.contextmanager
-def _fresh(seed: int) -> Iterator[None]:
-    """Seed the global generator (module initialisers draw from it) without disturbing the caller's."""
-    dtype = torch.get_default_dtype()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        torch.set_default_dtype(torch.float32)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(dtype)
-
-
-def _seeded(seed: int) -> Callable[[Check], Check]:
-    def wrap(check: Check) -> Check:
+    def wrap(check: Section) -> Section:
         @functools.wraps(check)
-        def run() -> list[CheckResult]:
-            with _fresh(seed):
-                return check()
+        def run() -> list[Check]:
+            dtype = torch.get_default_dtype()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                torch.set_default_dtype(torch.float32)
+                try:
+                    return check()
+                finally:
+                    torch.set_default_dtype(dtype)
 
         return run
 
@@ -146,7 +92,7 @@ def _random_gpt(seed: int, **changes: object) -> M.GPT:
 
 
 @_seeded(21)
-def check_retrieval() -> list[CheckResult]:
+def check_retrieval() -> list[Check]:
     """§2.1: q = [1, 0] against three keys retrieves y = [2, 1.5], a convex combination of the values."""
     s = "§2.1"
     query = torch.tensor([[1.0, 0.0]])  # (Tq=1, d_k=2)
@@ -154,22 +100,22 @@ def check_retrieval() -> list[CheckResult]:
     values = torch.tensor([[2.0, 0.0], [0.0, 2.0], [4.0, 4.0]])  # (Tk, d_v=2)
     scores = M.attention_scores(query, keys)
     y, weights = M.attention(query, keys, values)
-    fused = M.KERNELS["sdpa"](query[None], keys[None], values[None], False)  # (1, 1, d_v)
+    fused = M.KERNELS["sdpa"](query[None], keys[None], values[None], None, False)  # (1, 1, d_v)
     nearest = (values - y).norm(dim=-1).min().item()
     return [
-        _close(s, "scaled scores s", scores[0], [math.log(2), 0, 0], 1e-6, "[log 2, 0, 0]"),
-        _close(s, "weights a", M.masked_softmax(scores)[0], [0.5, 0.25, 0.25], 1e-6, "[1/2, 1/4, 1/4]"),
-        _close(s, "retrieval output y", y[0], [2, 1.5], 1e-6, "[2, 1.5]"),
-        _close(s, "sdpa kernel output y", fused[0, 0], [2, 1.5], 1e-6, "[2, 1.5]"),
-        CheckResult(s, "weights are nonnegative", "min a >= 0", f"{weights.min().item():.6f}",
-                    bool(weights.min() >= 0)),
-        _close(s, "weights sum to one", weights.sum(-1), [1.0], 1e-6),
-        _close(s, "y is the weighted sum of the values", y, weights @ values, 1e-6, "a @ V"),
-        _exceeds(s, "y equals no single value", nearest, 0.1, "distance to the nearest value"),
+        close(s, "scaled scores s", scores[0], [math.log(2), 0, 0], 1e-6, "[log 2, 0, 0]"),
+        close(s, "weights a", M.masked_softmax(scores)[0], [0.5, 0.25, 0.25], 1e-6, "[1/2, 1/4, 1/4]"),
+        close(s, "retrieval output y", y[0], [2, 1.5], 1e-6, "[2, 1.5]"),
+        close(s, "sdpa kernel output y", fused[0, 0], [2, 1.5], 1e-6, "[2, 1.5]"),
+        Check(s, "weights are nonnegative", bool(weights.min() >= 0), "min a >= 0",
+              f"{weights.min().item():.6f}"),
+        close(s, "weights sum to one", weights.sum(-1), [1.0], 1e-6),
+        close(s, "y is the weighted sum of the values", y, weights @ values, 1e-6, "a @ V"),
+        exceeds(s, "y equals no single value", nearest, 0.1, "distance to the nearest value"),
     ]
 
 
-def _variance_checks(sigma: float, samples: int) -> list[CheckResult]:
+def _variance_checks(sigma: float, samples: int) -> list[Check]:
     """Sample q, k with iid N(0, sigma^2) coordinates; compare score variances with the §3.1 argument."""
     generator = torch.Generator().manual_seed(311)
     results = []
@@ -181,14 +127,13 @@ def _variance_checks(sigma: float, samples: int) -> list[CheckResult]:
             ("raw q.k", (q * k).sum(-1).var().item(), d_k * sigma**4),
         ):
             error = value / target - 1
-            results.append(CheckResult("§3.1", f"variance of {label}, d_k={d_k}",
-                                       f"{target:.4f} (relative error <= 10%)",
-                                       f"{value:.4f} ({error:+.1%})", abs(error) <= 0.1))
+            results.append(Check("§3.1", f"variance of {label}, d_k={d_k}", abs(error) <= 0.1,
+                                 f"{target:.4f} (relative error <= 10%)", f"{value:.4f} ({error:+.1%})"))
     return results
 
 
 @_seeded(31)
-def check_scaling() -> list[CheckResult]:
+def check_scaling() -> list[Check]:
     """§3.1: dividing by sqrt(d_k) keeps scores at variance sigma^4 and softmax away from saturation."""
     s = "§3.1"
     raw = torch.tensor([0.0, 8.0])
@@ -196,15 +141,15 @@ def check_scaling() -> list[CheckResult]:
     keys = torch.stack([torch.tensor([1.0, -1.0]).repeat(32), torch.ones(64)])  # (2, 64): q.k = 0, 8
     scores = M.attention_scores(query, keys)[0]
     return [
-        _close(s, "softmax of unscaled [0, 8]", M.masked_softmax(raw), [0.000335, 0.999665], 1e-6),
-        _close(s, "raw q.k at d_k=64", (query @ keys.T)[0], [0, 8], 1e-6),
-        _close(s, "scaled scores at d_k=64", scores, [0, 1], 1e-6),
-        _close(s, "weights at d_k=64", M.masked_softmax(scores), [0.268941, 0.731059], 1e-6),
+        close(s, "softmax of unscaled [0, 8]", M.masked_softmax(raw), [0.000335, 0.999665], 1e-6),
+        close(s, "raw q.k at d_k=64", (query @ keys.T)[0], [0, 8], 1e-6),
+        close(s, "scaled scores at d_k=64", scores, [0, 1], 1e-6),
+        close(s, "weights at d_k=64", M.masked_softmax(scores), [0.268941, 0.731059], 1e-6),
     ] + _variance_checks(sigma=1.5, samples=20000)
 
 
 @_seeded(32)
-def check_batching() -> list[CheckResult]:
+def check_batching() -> list[Check]:
     """§3.2: rows of every attention matrix sum to one, columns need not; batch items never mix."""
     s = "§3.2"
     x = 3 * torch.randn(2, 6, 8)  # (B, T, D); large enough that routing is far from uniform
@@ -219,12 +164,11 @@ def check_batching() -> list[CheckResult]:
             tag = f"{kernel}, {'masked' if causal else 'unmasked'}"
             if kernel == "naive":  # attention_weights is recomputed explicitly whatever the kernel
                 weights = attn.attention_weights(x)  # (B, H, T, T)
-                results.append(_close(s, f"rows sum to one ({tag})", weights.sum(-1),
-                                      torch.ones(weights.shape[:-1]), 1e-6, "1 for every row"))
+                results.append(rows_sum_to_one([weights], 1e-6, f"rows sum to one ({tag})"))
                 columns = (weights.sum(-2) - 1).abs().max().item()
-                results.append(_exceeds(s, f"columns do not ({tag})", columns, 0.1, "max |column sum - 1|"))
-            results.append(_identical(s, f"batch items do not mix ({tag})", attn(changed)[0], attn(x)[0],
-                                      "item 0's output after changing item 1"))
+                results.append(exceeds(s, f"columns do not ({tag})", columns, 0.1, "max |column sum - 1|"))
+            results.append(identical(s, f"batch items do not mix ({tag})", attn(changed)[0], attn(x)[0],
+                                     "item 0's output after changing item 1"))
     return results
 
 
@@ -233,7 +177,7 @@ def check_batching() -> list[CheckResult]:
 
 
 @_seeded(4)
-def check_head_parameters() -> list[CheckResult]:
+def check_head_parameters() -> list[Check]:
     """§4: at D=8 without biases, attention has 3D^2 + D^2 = 192 + 64 = 256 parameters for any H."""
     results = []
     for n_head in (1, 2, 4, 8):
@@ -242,10 +186,10 @@ def check_head_parameters() -> list[CheckResult]:
         fused, out = attn.c_attn.weight.numel(), attn.c_proj.weight.numel()
         counted = sum(p.numel() for p in attn.parameters())
         arithmetic = M.parameter_count(config)["attention"] / config.n_layer
-        results.append(CheckResult("§4", f"attention parameters, D=8, H={n_head}",
-                                   "192 + 64 = 256 (module and parameter_count / L)",
-                                   f"{fused} + {out} = {counted}; parameter_count / L = {arithmetic:g}",
-                                   (fused, out, counted, arithmetic) == (192, 64, 256, 256)))
+        results.append(Check("§4", f"attention parameters, D=8, H={n_head}",
+                             (fused, out, counted, arithmetic) == (192, 64, 256, 256),
+                             "192 + 64 = 256 (module and parameter_count / L)",
+                             f"{fused} + {out} = {counted}; parameter_count / L = {arithmetic:g}"))
     return results
 
 
@@ -272,7 +216,7 @@ def _two_head_module(kernel: str) -> M.CausalSelfAttention:
 
 
 @_seeded(41)
-def check_two_heads() -> list[CheckResult]:
+def check_two_heads() -> list[Check]:
     """§4.1: two heads route the same query differently; concatenation keeps both answers."""
     s = "§4.1"
     x = torch.eye(4)[:3].unsqueeze(0)  # (B=1, T=3, D=4): rows e_0, e_1, e_2
@@ -281,48 +225,19 @@ def check_two_heads() -> list[CheckResult]:
     y = attn(x)[0, 2]  # (D,) = [head 1 | head 2]
     average = y.view(2, 2).mean(0)  # what averaging the heads' answers would give
     return [
-        _close(s, "weights of the two heads at position 2", weights,
-               [[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]], 1e-6),
-        _close(s, "output at position 2 (naive)", y, [2, 0.6, 0.6, 2], 1e-6, "[2, 0.6 | 0.6, 2]"),
-        _close(s, "output at position 2 (sdpa)", _two_head_module("sdpa")(x)[0, 2], [2, 0.6, 0.6, 2], 1e-6,
-               "[2, 0.6 | 0.6, 2]"),
-        _close(s, "averaging the heads instead", average, [1.3, 1.3], 1e-6),
-        _differs(s, "concatenation is not averaging", y, average.repeat(2), 0.1),
-        _exceeds(s, "both heads weight position 2", weights[:, 2].min().item(), 0.0, "min weight"),
+        close(s, "weights of the two heads at position 2", weights,
+              [[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]], 1e-6),
+        close(s, "output at position 2 (naive)", y, [2, 0.6, 0.6, 2], 1e-6, "[2, 0.6 | 0.6, 2]"),
+        close(s, "output at position 2 (sdpa)", _two_head_module("sdpa")(x)[0, 2], [2, 0.6, 0.6, 2], 1e-6,
+              "[2, 0.6 | 0.6, 2]"),
+        close(s, "averaging the heads instead", average, [1.3, 1.3], 1e-6),
+        differs(s, "concatenation is not averaging", y, average.repeat(2), 0.1),
+        exceeds(s, "both heads weight position 2", weights[:, 2].min().item(), 0.0, "min weight"),
     ]
 
 
-class _Head(nn.Module):
-    """One separately parameterised causal head, as in the course tutorial's Attn (§9.3)."""
-
-    def __init__(self, n_embd: int, head_size: int) -> None:
-        super().__init__()
-        self.query = nn.Linear(n_embd, head_size)
-        self.key = nn.Linear(n_embd, head_size)
-        self.value = nn.Linear(n_embd, head_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, hs)
-        mask = M.causal_mask(x.size(1), x.size(1), x.device)
-        return M.attention(self.query(x), self.key(x), self.value(x), mask)[0]
-
-
-def _separate_heads(attn: M.CausalSelfAttention, n_embd: int, n_head: int) -> list[_Head]:
-    """Copy each head's rows of W_Q, W_K, W_V (and biases) out of the fused c_attn."""
-    hs = n_embd // n_head
-    families = list(zip(attn.c_attn.weight.split(n_embd), attn.c_attn.bias.split(n_embd), strict=True))
-    heads = []
-    for h in range(n_head):
-        head, rows = _Head(n_embd, hs), slice(h * hs, (h + 1) * hs)  # head h's output features
-        with torch.no_grad():
-            for layer, (weight, bias) in zip((head.query, head.key, head.value), families, strict=True):
-                layer.weight.copy_(weight[rows])
-                layer.bias.copy_(bias[rows])
-        heads.append(head)
-    return heads
-
-
 @_seeded(42)
-def check_fused_projection() -> list[CheckResult]:
+def check_fused_projection() -> list[Check]:
     """§4.2: one fused projection is three projections; fused heads equal separate heads concatenated."""
     s = "§4.2"
     B, T, D, H = 2, 5, 8, 2
@@ -331,20 +246,16 @@ def check_fused_projection() -> list[CheckResult]:
     for kernel in ("sdpa", "naive"):
         torch.manual_seed(420)
         attn = M.CausalSelfAttention(ModelConfig(n_embd=D, n_head=H, block_size=8, attention=kernel))
+        *projections, (module, heads) = fused_and_separate(attn, x)
         if kernel == "sdpa":  # the projections do not depend on the kernel
-            fused = attn.project(x)  # 3 x (B, H, T, hs)
-            weights, biases = attn.c_attn.weight.split(D), attn.c_attn.bias.split(D)
-            for name, got, weight, bias in zip("QKV", fused, weights, biases, strict=True):
-                separate = F.linear(x, weight, bias).view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, hs)
-                results.append(_close(s, f"fused {name} equals its own projection", got, separate, 1e-6,
-                                      f"F.linear(x, W_{name}, b_{name}) split into heads"))
+            for name, (got, separate) in zip("QKV", projections, strict=True):
+                results.append(close(s, f"fused {name} equals its own projection", got, separate, 1e-6,
+                                     f"F.linear(x, W_{name}, b_{name}) split into heads"))
             shape = tuple(attn.attention_weights(x).shape)
-            results.append(CheckResult(s, "attention weights shape", "(B, H, T, T) = (2, 2, 5, 5)",
-                                       str(shape), shape == (B, H, T, T)))
-        heads = _separate_heads(attn, D, H)
-        concatenated = attn.c_proj(torch.cat([head(x) for head in heads], dim=-1))  # (B, T, D)
-        results.append(_close(s, f"separate heads concatenated equal the module ({kernel})", attn(x),
-                              concatenated, 1e-6, "c_proj(cat([h(x) for h in heads]))"))
+            results.append(Check(s, "attention weights shape", shape == (B, H, T, T),
+                                 "(B, H, T, T) = (2, 2, 5, 5)", str(shape)))
+        results.append(close(s, f"separate heads concatenated equal the module ({kernel})", module, heads,
+                             1e-6, "c_proj(cat([h(x) for h in heads]))"))
     return results
 
 
@@ -352,7 +263,8 @@ def check_fused_projection() -> list[CheckResult]:
 # §5: LayerNorm works within a token; the FFN's nonlinearity matters
 
 
-def _layernorm_checks() -> list[CheckResult]:
+def _layernorm_checks() -> list[Check]:
+    """LayerNorm gives each token mean 0 and variance 1 over its features, and reads no other token."""
     s = "§5"
     norm = M.NORMS["layernorm"](ModelConfig(n_embd=8, n_head=2, block_size=8))
     # A per-feature offset gives every token the same feature pattern, which LayerNorm keeps, so
@@ -364,16 +276,16 @@ def _layernorm_checks() -> list[CheckResult]:
     changed[1] = torch.randn(5, 8)  # another batch item
     kept = [0, 1, 2, 4]  # item 0's untouched tokens
     return [
-        _close(s, "LayerNorm: per-token mean over features", y.mean(-1), torch.zeros(2, 5), 1e-4,
-               "0 for every token"),
-        _close(s, "LayerNorm: per-token variance over features", y.var(-1, correction=0),
-               torch.ones(2, 5), 1e-4, "1 for every token"),
-        _exceeds(s, "LayerNorm: means over positions are not zero", y.mean(1).abs().max().item(), 0.1,
-                 "max |mean over T|"),
-        _exceeds(s, "LayerNorm: means over batch items are not zero", y.mean(0).abs().max().item(), 0.1,
-                 "max |mean over B|"),
-        _identical(s, "LayerNorm: other tokens do not affect a token", norm(changed)[0, kept], y[0, kept],
-                   "untouched tokens after changing others"),
+        close(s, "LayerNorm: per-token mean over features", y.mean(-1), torch.zeros(2, 5), 1e-4,
+              "0 for every token"),
+        close(s, "LayerNorm: per-token variance over features", y.var(-1, correction=0),
+              torch.ones(2, 5), 1e-4, "1 for every token"),
+        exceeds(s, "LayerNorm: means over positions are not zero", y.mean(1).abs().max().item(), 0.1,
+                "max |mean over T|"),
+        exceeds(s, "LayerNorm: means over batch items are not zero", y.mean(0).abs().max().item(), 0.1,
+                "max |mean over B|"),
+        identical(s, "LayerNorm: other tokens do not affect a token", norm(changed)[0, kept], y[0, kept],
+                  "untouched tokens after changing others"),
     ]
 
 
@@ -385,7 +297,8 @@ def _affine_residual(x: torch.Tensor, y: torch.Tensor) -> float:
     return ((target - fit).norm() / (target - target.mean(0)).norm()).item()
 
 
-def _collapse_checks() -> list[CheckResult]:
+def _collapse_checks() -> list[Check]:
+    """Without its activation the FFN is one affine map; with ReLU or GELU no affine map fits it."""
     s = "§5"
     results = []
     for ffn in ("relu", "gelu"):
@@ -394,18 +307,18 @@ def _collapse_checks() -> list[CheckResult]:
         w1, b1, w2, b2 = mlp.c_fc.weight, mlp.c_fc.bias, mlp.c_proj.weight, mlp.c_proj.bias
         x = 3 * torch.randn(4096, 8)  # (N, D); large enough that the activation's bend matters
         linear_only = mlp.c_proj(mlp.c_fc(x))
-        results.append(_close(s, f"without {ffn}, two linear maps are one", linear_only,
-                              x @ (w2 @ w1).T + (w2 @ b1 + b2), 1e-5, "x (W2 W1)^T + (W2 b1 + b2)"))
-        results.append(_exceeds(s, f"with {ffn}, no affine map fits", _affine_residual(x, mlp(x)), 0.1,
-                                "relative residual of the best affine fit"))
+        results.append(close(s, f"without {ffn}, two linear maps are one", linear_only,
+                             x @ (w2 @ w1).T + (w2 @ b1 + b2), 1e-5, "x (W2 W1)^T + (W2 b1 + b2)"))
+        results.append(exceeds(s, f"with {ffn}, no affine map fits", _affine_residual(x, mlp(x)), 0.1,
+                               "relative residual of the best affine fit"))
         residual = _affine_residual(x, linear_only)
-        results.append(CheckResult(s, f"without {ffn}, an affine map fits", "relative residual <= 1e-5",
-                                   f"{residual:.1e}", residual <= 1e-5))
+        results.append(Check(s, f"without {ffn}, an affine map fits", residual <= 1e-5,
+                             "relative residual <= 1e-5", f"{residual:.1e}"))
     return results
 
 
 @_seeded(5)
-def check_block_parts() -> list[CheckResult]:
+def check_block_parts() -> list[Check]:
     """§5: LayerNorm normalises within a token; without its nonlinearity the FFN collapses to one map."""
     return _layernorm_checks() + _collapse_checks()
 
@@ -415,7 +328,7 @@ def check_block_parts() -> list[CheckResult]:
 
 
 @_seeded(61)
-def check_permutation() -> list[CheckResult]:
+def check_permutation() -> list[Check]:
     """§6.1: without positions and mask, permuting input rows permutes output rows, nothing more."""
     s = "§6.1"
     idx = torch.randperm(16)[:8].unsqueeze(0)  # (1, T=8) distinct tokens, so every swap moves something
@@ -427,21 +340,21 @@ def check_permutation() -> list[CheckResult]:
     results = []
     for label, perm in (("swap rows 0 and 2", torch.tensor([2, 1, 0, 3, 4, 5, 6, 7])),
                         ("random permutation", torch.randperm(8))):
-        logits, permuted = unordered(idx)[0], unordered(idx[:, perm])[0]
         results += [
-            _close(s, f"GPT without positions is equivariant ({label})", permuted, logits[:, perm], 1e-5,
-                   "logits(idx)[:, perm]"),
-            _differs(s, f"... but not invariant ({label})", permuted, logits, 1e-3),
-            _close(s, f"one Block is equivariant ({label})", block(rows[:, perm]), block(rows)[:, perm], 1e-5,
-                   "block(rows)[:, perm]"),
-            _differs(s, f"learned positions break equivariance ({label})", ordered(idx[:, perm])[0],
-                     ordered(idx)[0][:, perm], 1e-3),
+            permutation_equivariant(f"GPT without positions is equivariant ({label})",
+                                    lambda t: unordered(t)[0], idx, perm, 1e-5, "logits(idx)[:, perm]"),
+            differs(s, f"... but not invariant ({label})", unordered(idx[:, perm])[0], unordered(idx)[0],
+                    1e-3),
+            permutation_equivariant(f"one Block is equivariant ({label})", block, rows, perm, 1e-5,
+                                    "block(rows)[:, perm]"),
+            differs(s, f"learned positions break equivariance ({label})", ordered(idx[:, perm])[0],
+                    ordered(idx)[0][:, perm], 1e-3),
         ]
     return results
 
 
 @_seeded(6)
-def check_parameter_sharing() -> list[CheckResult]:
+def check_parameter_sharing() -> list[Check]:
     """§6: learned positions add T_max D parameters, sinusoidal none; a tied head is the embedding."""
     s = "§6"
     T, D, V = 8, 16, 16
@@ -451,19 +364,16 @@ def check_parameter_sharing() -> list[CheckResult]:
     counts = {name: model.num_parameters() for name, model in models.items()}
     arithmetic = {name: M.parameter_count(model.config)["total"] for name, model in models.items()}
     tied = models["learned"]
-    shared = tied.lm_head.weight is tied.transformer.wte.weight
-    same_memory = tied.lm_head.weight.data_ptr() == tied.transformer.wte.weight.data_ptr()
     return [
-        CheckResult(s, "learned positions add T_max * D", f"{T * D}",
-                    f"{counts['learned'] - counts['none']}", counts["learned"] - counts["none"] == T * D),
-        CheckResult(s, "sinusoidal positions add nothing", "0", f"{counts['sinusoidal'] - counts['none']}",
-                    counts["sinusoidal"] == counts["none"]),
-        CheckResult(s, "tied head is the embedding tensor", "same object and same data_ptr",
-                    f"is = {shared}, same data_ptr = {same_memory}", shared and same_memory),
-        CheckResult(s, "untied head adds V * D", f"{V * D}", f"{counts['untied'] - counts['learned']}",
-                    counts["untied"] - counts["learned"] == V * D),
-        CheckResult(s, "num_parameters agrees with parameter_count", str(arithmetic), str(counts),
-                    counts == arithmetic),
+        Check(s, "learned positions add T_max * D", counts["learned"] - counts["none"] == T * D, f"{T * D}",
+              f"{counts['learned'] - counts['none']}"),
+        Check(s, "sinusoidal positions add nothing", counts["sinusoidal"] == counts["none"], "0",
+              f"{counts['sinusoidal'] - counts['none']}"),
+        tied_head(tied.config.tied, tied.lm_head.weight, tied.transformer.wte.weight),
+        Check(s, "untied head adds V * D", counts["untied"] - counts["learned"] == V * D, f"{V * D}",
+              f"{counts['untied'] - counts['learned']}"),
+        Check(s, "num_parameters agrees with parameter_count", counts == arithmetic, str(arithmetic),
+              str(counts)),
     ]
 
 
@@ -481,35 +391,33 @@ def _dependence(model: M.GPT, idx: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).abs().amax(-1)
 
 
-def _causality_checks(kernel: str) -> list[CheckResult]:
+def _causality_checks(kernel: str) -> list[Check]:
+    """§7.1 and §7.3 on a random GPT with one kernel, then with the mask off in all or all but one block."""
     model = _random_gpt(70, attention=kernel)
     idx = torch.randint(0, 16, (1, 8), generator=torch.Generator().manual_seed(71))  # (1, T=8)
     before, after = model(idx[:, :7])[0], model(idx)[0][:, :7]  # the prompt, then with a token appended
     dependence = _dependence(model, idx)
-    future, past = dependence.triu(1), dependence.tril().amax(-1).min().item()
+    past = dependence.tril().amax(-1).min().item()
     results = [
-        _close("§7.1", f"appending a token leaves earlier logits unchanged ({kernel})", after, before, 1e-5,
-               "logits before appending"),
-        CheckResult("§7.3", f"output i ignores inputs after i ({kernel})", "grad exactly 0 for every j > i",
-                    f"max |grad| over j > i = {future.max().item():.1e}", bool(torch.all(future == 0))),
-        _exceeds("§7.3", f"output i uses inputs up to i ({kernel})", past, 0.0,
-                 "min over i of max |grad| over j <= i"),
+        close("§7.1", f"appending a token leaves earlier logits unchanged ({kernel})", after, before, 1e-5,
+              "logits before appending"),
+        ignores_later_inputs(dependence, f"output i ignores inputs after i ({kernel})", "grad"),
+        exceeds("§7.3", f"output i uses inputs up to i ({kernel})", past, 0.0,
+                "min over i of max |grad| over j <= i"),
     ]
     for block in model.transformer.h:
         block.attn.causal = False
-    leak = _dependence(model, idx)[0, 1:].max().item()
-    results.append(_exceeds("§7.3", f"without the mask output 0 sees later inputs ({kernel})", leak, 0.0,
-                            "max |grad of output 0| over j > 0"))
-    # Mask only the last block: the first can already copy the future into row 0.
-    model.transformer.h[-1].attn.causal = True
-    leak = _dependence(model, idx)[0, 1:].max().item()
-    results.append(_exceeds("§7.3", f"masking only the final block is not enough ({kernel})", leak, 0.0,
-                            "max |grad of output 0| over j > 0"))
+    leaks = ("without the mask output 0 sees later inputs", "masking only the final block is not enough")
+    for label in leaks:
+        leak = _dependence(model, idx)[0, 1:].max().item()
+        results.append(exceeds("§7.3", f"{label} ({kernel})", leak, 0.0, "max |grad of output 0| over j > 0"))
+        # Then mask only the last block: the first can already copy the future into row 0.
+        model.transformer.h[-1].attn.causal = True
     return results
 
 
 @_seeded(7)
-def check_causality() -> list[CheckResult]:
+def check_causality() -> list[Check]:
     """§7.1, §7.3: earlier logits ignore appended tokens; output i has zero gradient for inputs after i."""
     return _causality_checks("sdpa") + _causality_checks("naive")
 
@@ -545,7 +453,7 @@ def _toy_trace_model() -> M.GPT:
 
 
 @_seeded(74)
-def check_trace() -> list[CheckResult]:
+def check_trace() -> list[Check]:
     """§7.4: the stream A B C (targets B C A) from embeddings to the loss 3.02041."""
     s = "§7.4"
     model = _toy_trace_model()
@@ -559,24 +467,24 @@ def check_trace() -> list[CheckResult]:
     logits, loss = model(idx, targets)
     l2 = math.log(2)
     return [
-        _close(s, "input rows X = E[w] + p", x[0], [[1, 0], [0, 1], [1, 1]], 1e-6),
-        _close(s, "queries Q (first feature / sqrt 2)", q[0, 0, :, 0] / math.sqrt(2), [1, 0, 1], 1e-6),
-        _close(s, "keys K (first feature)", k[0, 0, :, 0], [l2, 0, l2], 1e-6, "[log 2, 0, log 2]"),
-        _close(s, "unused second query/key feature", torch.cat([q[..., 1], k[..., 1]]), torch.zeros(2, 1, 3),
-               0.0, "all 0"),
-        _close(s, "values V = X", v[0, 0], [[1, 0], [0, 1], [1, 1]], 1e-6),
-        _close(s, "raw scores S (future entries exist)", M.attention_scores(q, k)[0, 0],
-               [[l2, 0, l2], [0, 0, 0], [l2, 0, l2]], 1e-6, "Q K^T = [[log 2, 0, log 2], [0, 0, 0], ...]"),
-        _close(s, "masked weights", block.attn.attention_weights(x)[0, 0],
-               [[1, 0, 0], [0.5, 0.5, 0], [0.4, 0.2, 0.4]], 1e-6,
-               "[[1, 0, 0], [1/2, 1/2, 0], [2/5, 1/5, 2/5]]"),
-        _close(s, "row 2 retrieves", retrieved[2], [0.8, 0.6], 1e-6),
-        _close(s, "U = X + attention", x[0] + retrieved, u_ref, 1e-6),
-        _close(s, "H = block output = 1.5 U", block(x)[0], h_ref, 1e-6),
-        _close(s, "logits [h0, h1, -h0 - h1]", logits[0], torch.stack([h_ref[:, 0], h_ref[:, 1],
+        close(s, "input rows X = E[w] + p", x[0], [[1, 0], [0, 1], [1, 1]], 1e-6),
+        close(s, "queries Q (first feature / sqrt 2)", q[0, 0, :, 0] / math.sqrt(2), [1, 0, 1], 1e-6),
+        close(s, "keys K (first feature)", k[0, 0, :, 0], [l2, 0, l2], 1e-6, "[log 2, 0, log 2]"),
+        close(s, "unused second query/key feature", torch.cat([q[..., 1], k[..., 1]]), torch.zeros(2, 1, 3),
+              0.0, "all 0"),
+        close(s, "values V = X", v[0, 0], [[1, 0], [0, 1], [1, 1]], 1e-6),
+        close(s, "raw scores S (future entries exist)", M.attention_scores(q, k)[0, 0],
+              [[l2, 0, l2], [0, 0, 0], [l2, 0, l2]], 1e-6, "Q K^T = [[log 2, 0, log 2], [0, 0, 0], ...]"),
+        close(s, "masked weights", block.attn.attention_weights(x)[0, 0],
+              [[1, 0, 0], [0.5, 0.5, 0], [0.4, 0.2, 0.4]], 1e-6,
+              "[[1, 0, 0], [1/2, 1/2, 0], [2/5, 1/5, 2/5]]"),
+        close(s, "row 2 retrieves", retrieved[2], [0.8, 0.6], 1e-6),
+        close(s, "U = X + attention", x[0] + retrieved, u_ref, 1e-6),
+        close(s, "H = block output = 1.5 U", block(x)[0], h_ref, 1e-6),
+        close(s, "logits [h0, h1, -h0 - h1]", logits[0], torch.stack([h_ref[:, 0], h_ref[:, 1],
                                                                       -h_ref.sum(-1)], dim=-1), 1e-6),
-        _close(s, "mean next-token loss (nats)", loss, torch.tensor(3.0204103, dtype=torch.float64), 1e-5,
-               "3.02041 (exactly 3.0204103)"),
+        close(s, "mean next-token loss (nats)", loss, torch.tensor(3.0204103, dtype=torch.float64), 1e-5,
+              "3.02041 (exactly 3.0204103)"),
     ]
 
 
@@ -585,7 +493,7 @@ def check_trace() -> list[CheckResult]:
 
 
 @_seeded(81)
-def check_einsum() -> list[CheckResult]:
+def check_einsum() -> list[Check]:
     """§8.1: the einsum formulation with named axes equals the library's matmul attention."""
     s = "§8.1"
     results = []
@@ -596,43 +504,33 @@ def check_einsum() -> list[CheckResult]:
         weights = scores.softmax(dim=-1)
         y = torch.einsum(f"{axes}ij,{axes}je->{axes}ie", weights, v)
         got_y, got_weights = M.attention(q, k, v)
-        results.append(_close(s, f"einsum weights equal attention's ({len(shape) + 2}-D)", got_weights,
-                              weights, 1e-6, f"einsum '{axes}id,{axes}jd->{axes}ij' then softmax"))
-        results.append(_close(s, f"einsum output equals attention's ({len(shape) + 2}-D)", got_y, y, 1e-6,
-                              f"einsum '{axes}ij,{axes}je->{axes}ie'"))
+        results.append(close(s, f"einsum weights equal attention's ({len(shape) + 2}-D)", got_weights,
+                             weights, 1e-6, f"einsum '{axes}id,{axes}jd->{axes}ij' then softmax"))
+        results.append(close(s, f"einsum output equals attention's ({len(shape) + 2}-D)", got_y, y, 1e-6,
+                             f"einsum '{axes}ij,{axes}je->{axes}ie'"))
     return results
 
 
 @_seeded(8)
-def check_kernels() -> list[CheckResult]:
+def check_kernels() -> list[Check]:
     """§8: the fused sdpa kernel computes the same function as the written-out naive kernel."""
     idx = torch.randint(0, 16, (2, 8))  # (B, T)
     results = []
     for causal in (True, False):
         naive = _random_gpt(80, attention="naive", causal=causal)(idx)[0]
         fused = _random_gpt(80, attention="sdpa", causal=causal)(idx)[0]
-        results.append(_close("§8", f"naive and sdpa kernels agree ({'causal' if causal else 'unmasked'})",
-                              fused, naive, 1e-5, "the naive kernel's logits"))
+        results.append(close("§8", f"naive and sdpa kernels agree ({'causal' if causal else 'unmasked'})",
+                             fused, naive, 1e-5, "the naive kernel's logits"))
     return results
 
 
-CHECKS: list[Check] = [
-    check_retrieval,
-    check_scaling,
-    check_batching,
-    check_head_parameters,
-    check_two_heads,
-    check_fused_projection,
-    check_block_parts,
-    check_permutation,
-    check_parameter_sharing,
-    check_causality,
-    check_trace,
-    check_einsum,
-    check_kernels,
+CHECKS: list[Section] = [  # in handout order
+    check_retrieval, check_scaling, check_batching, check_head_parameters, check_two_heads,
+    check_fused_projection, check_block_parts, check_permutation, check_parameter_sharing, check_causality,
+    check_trace, check_einsum, check_kernels,
 ]
 
 
-def run_lab() -> list[CheckResult]:
+def run_lab() -> list[Check]:
     """Run every check, in handout order; each is seeded on its own, so the order does not matter."""
     return [result for check in CHECKS for result in check()]

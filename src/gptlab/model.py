@@ -15,19 +15,23 @@ Deliberate choices:
 - RoPE rotates the feature pairs (i, i + hs/2) of each head (the "rotate half" layout).
 - Post-norm models end with the last block's norm, so they have no extra final norm.
 - Position schemes take explicit positions (default 0..T-1), so generation can continue a sequence
-  from a KV cache (§7.1, handout #12) at any offset; `KVCache` documents the mask it builds.
+  from a KV cache (§7.1, handout #12, `gptlab.cache`) at any offset; the cache supplies the mask.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gptlab.config import ModelConfig
+
+if TYPE_CHECKING:
+    from gptlab.cache import KVCache
 
 # ---------------------------------------------------------------------------------------------
 # §2-§3: scaled dot-product attention, written out (the reference every fast path is checked against)
@@ -63,50 +67,39 @@ def attention(
     return weights @ values, weights
 
 
-def naive_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Explicit scores, mask, softmax, weights @ values; stores all B*H*T*T weights."""
-    mask = causal_mask(q.size(-2), k.size(-2), q.device) if causal else None
-    return attention(q, k, v, mask)[0]
+def visible_keys(queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool) -> torch.Tensor | None:
+    """The keys each query may see: `mask` (True = visible), and-ed with §7.3's causal mask if `causal`."""
+    if not causal:
+        return mask
+    future_hidden = causal_mask(queries.size(-2), keys.size(-2), queries.device)  # (Tq, Tk)
+    return future_hidden if mask is None else mask & future_hidden
 
 
-def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+# Every kernel maps queries (B, H, Tq, hs), keys and values (B, H, Tk, hs), a boolean mask (None or
+# broadcastable to (B, H, Tq, Tk)) and `causal` to the outputs (B, H, Tq, hs).
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
+
+
+def naive_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 causal: bool) -> torch.Tensor:
+    """Explicit scores, mask, softmax, weights @ values; stores all B*H*Tq*Tk weights."""
+    return attention(q, k, v, visible_keys(q, k, mask, causal))[0]
+
+
+def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool) -> torch.Tensor:
     """PyTorch's fused kernel: the same function, without materialising the weights."""
-    if causal and q.size(-2) != k.size(-2):
-        # is_causal aligns the mask to the first positions; queries here are the last ones
-        mask = causal_mask(q.size(-2), k.size(-2), q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if mask is None and q.size(-2) == k.size(-2):  # is_causal aligns its mask to the first positions
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible_keys(q, k, mask, causal))
 
 
-KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]] = {
-    "naive": naive_kernel,
-    "sdpa": sdpa_kernel,
-}
-
-
-def naive_masked_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """The naive kernel under a given boolean mask (True = visible), as a KV cache supplies it."""
-    return attention(q, k, v, mask)[0]
-
-
-def sdpa_masked_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """The fused kernel under a given boolean mask (True = visible)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-MaskedKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-MASKED_KERNELS: dict[str, MaskedKernel] = {
-    "naive": naive_masked_kernel,
-    "sdpa": sdpa_masked_kernel,
-}
+KERNELS: dict[str, Kernel] = {"naive": naive_kernel, "sdpa": sdpa_kernel}
 
 # ---------------------------------------------------------------------------------------------
-# §6: position information. Each scheme maps token rows (B, T, D) and their positions (B or 1, T)
-# to input rows X = E[w] + p.
+# §6: position information. Absolute schemes map token rows (B, T, D) and their positions (B or 1, T)
+# to input rows X = E[w] + p; RoPE instead turns each head's queries and keys (B, H, T, hs).
 
 
 class LearnedPositions(nn.Embedding):
@@ -149,24 +142,6 @@ class SinusoidalPositions(nn.Module):
         return x + self.rows(positions)
 
 
-class NoPositions(nn.Module):
-    """No position information: the input rows of `none` and `rope`, and the queries/keys of all but rope."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return x
-
-
-POSITIONS: dict[str, type[nn.Module]] = {
-    "learned": LearnedPositions,
-    "sinusoidal": SinusoidalPositions,
-    "rope": NoPositions,
-    "none": NoPositions,
-}
-
-
 class Rotary(nn.Module):
     """RoPE: rotate each query/key feature pair (i, i + hs/2) by an angle proportional to position."""
 
@@ -188,6 +163,25 @@ class Rotary(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
+class NoPositions(nn.Module):
+    """No position information: the input rows of `none` and `rope`, and the queries/keys of all but rope."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return x
+
+
+# Each scheme is chosen once, here: (what is added to the input rows, what turns queries and keys).
+POSITIONS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
+    "learned": (LearnedPositions, NoPositions),
+    "sinusoidal": (SinusoidalPositions, NoPositions),
+    "rope": (NoPositions, Rotary),
+    "none": (NoPositions, NoPositions),
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # §5: token-wise normalisation and the position-wise feed-forward network
 
@@ -198,13 +192,19 @@ NORMS: dict[str, Callable[[ModelConfig], nn.Module]] = {
 }
 
 
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": lambda: nn.GELU(approximate="tanh"),
+    "relu": nn.ReLU,
+}
+
+
 class MLP(nn.Module):
     """Expand D -> F, apply a nonlinearity, contract F -> D, at every position separately."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, config.ffn_hidden, bias=config.bias)
-        self.act = nn.GELU(approximate="tanh") if config.ffn == "gelu" else nn.ReLU()
+        self.act = ACTIVATIONS[config.ffn]()
         self.c_proj = nn.Linear(config.ffn_hidden, config.n_embd, bias=config.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
@@ -225,83 +225,6 @@ class GatedMLP(nn.Module):
 
 
 FFNS: dict[str, type[nn.Module]] = {"gelu": MLP, "relu": MLP, "swiglu": GatedMLP}
-
-# ---------------------------------------------------------------------------------------------
-# §7.1 and handout #12: in a causal model appending a token leaves earlier positions unchanged, so
-# generation can keep every layer's keys and values and compute only the new positions.
-
-EMPTY = torch.iinfo(torch.long).max  # the position of an unused slot: after every query, so never seen
-
-
-class KVCache:
-    """Every layer's keys and values of the tokens fed so far, allocated once for a generation run.
-
-    A forward pass with a cache takes only the new tokens. `advance` gives them their slots and
-    positions (continuing from the tokens already held) and builds their queries' mask; each layer
-    then stores its new keys and values with `update` and attends over all the held ones.
-    - Slots fill in order and wrap around (a ring) once `capacity` tokens have been fed; a chunk of
-      several tokens must not wrap, or it would overwrite keys its own queries need.
-    - Each slot remembers its token's position and whether it is real or left padding. A query at
-      position p sees the real keys at positions p - block_size < j <= p: the causal mask of §7.3,
-      limited to the context window (a band). With capacity = block_size a wrapped ring only ever
-      overwrites a key that just left every later query's window.
-    - Row b's next tokens after `reset(pad, first)` are pad[b] padding tokens, then real tokens at
-      positions first[b], first[b] + 1, ...; padding takes the position of the first real token and
-      may see anything (its outputs are never used), so no query row is empty.
-    """
-
-    def __init__(self, config: ModelConfig, batch_size: int, capacity: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        self.capacity = capacity or config.block_size
-        self.window = config.block_size
-        shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.head_size)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, H, S, hs)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, H, S, hs)
-        self.slot_positions = torch.full((batch_size, self.capacity), EMPTY, device=device)  # (B, S)
-        self.slot_real = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)  # (B, S)
-        self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
-        self.first = torch.zeros_like(self.pad)  # (B,)
-        self.fed = 0  # tokens fed since the last reset, padding included
-        self.slots = slice(0, 0)  # the slots of the tokens being fed
-        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # theirs, (B, T)
-        self.mask = torch.zeros(batch_size, 1, 0, 0, dtype=torch.bool, device=device)  # (B, 1, T, S)
-
-    def reset(self, pad: torch.Tensor, first: torch.Tensor | None = None) -> None:
-        """Forget every token, keeping the memory; see the class docstring for `pad` and `first` (B,)."""
-        self.pad = pad
-        self.first = torch.zeros_like(pad) if first is None else first
-        self.fed = 0
-        self.slot_positions.fill_(EMPTY)
-        self.slot_real.fill_(False)
-
-    def advance(self, n_new: int) -> torch.Tensor:
-        """Take the next n_new tokens: their positions (B, T), and their queries' mask in `self.mask`."""
-        start = self.fed % self.capacity
-        assert n_new == 1 or self.fed + n_new <= self.capacity, "a chunk of tokens may not wrap the ring"
-        column = self.fed + torch.arange(n_new, device=self.pad.device)  # tokens since the reset, (T,)
-        real = column >= self.pad[:, None]  # (B, T)
-        self.positions = self.first[:, None] + (column - self.pad[:, None]).clamp(min=0)  # (B, T)
-        self.slots = slice(start, start + n_new)
-        self.slot_positions[:, self.slots] = self.positions
-        self.slot_real[:, self.slots] = real
-        self.fed += n_new
-        used = min(self.fed, self.capacity)
-        keys_at = self.slot_positions[:, None, :used]  # (B, 1, S)
-        queries_at = self.positions[:, :, None]  # (B, T, 1)
-        visible = (keys_at <= queries_at) & (keys_at > queries_at - self.window)  # (B, T, S)
-        visible &= self.slot_real[:, None, :used] | ~real[:, :, None]  # real queries skip padding
-        self.mask = visible.unsqueeze(1)  # (B, 1, T, S): the same for every head
-        return self.positions
-
-    def update(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's new keys and values (B, H, T, hs); return all it holds, (B, H, S, hs) each."""
-        self.keys[layer, :, :, self.slots] = keys
-        self.values[layer, :, :, self.slots] = values
-        used = min(self.fed, self.capacity)  # unused slots take no part
-        return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
-
 
 # ---------------------------------------------------------------------------------------------
 # §4: multi-head self-attention with one fused projection W_QKV (D -> 3D) and W_O (D -> D)
@@ -327,9 +250,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # [W_Q W_K W_V]
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
-        self.rotate = Rotary(config) if config.positions == "rope" else NoPositions(config)
+        self.rotate = POSITIONS[config.positions][1](config)  # RoPE turns queries and keys; others pass
         self.kernel = KERNELS[config.attention]
-        self.masked_kernel = MASKED_KERNELS[config.attention]
         # Only the lab's demonstrations and encoders switch this off (§7.3).
         self.causal = config.causal
         self.layer = layer  # which layer of a KVCache is this one's
@@ -342,30 +264,21 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (split_heads(t, self.n_head) for t in (q, k, v))  # (B, H, T, hs) each
         return self.rotate(q, positions), self.rotate(k, positions), v
 
-    def full_mask(self, mask: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-        """§7.3's causal mask (T, T) when this attention is causal, and-ed with a padding mask if given."""
-        causal = causal_mask(x.size(1), x.size(1), x.device) if self.causal else None
-        if mask is None or causal is None:
-            return causal if mask is None else mask
-        return mask & causal  # (B, 1, T, T)
-
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, D) -> same
-        """`mask` (B, 1, 1, T), True for real tokens, hides an encoder's padded keys."""
+        """`mask` (B, 1, 1, T), True for real tokens, hides an encoder's padded keys. With a `cache`,
+        x holds only the new tokens, whose queries see every held key under the cache's own mask."""
         q, k, v = self.project(x, None if cache is None else cache.positions)
-        if cache is not None:  # generation: the new queries against every held key, under the cache's mask
-            keys, values = cache.update(self.layer, k, v)  # (B, H, S, hs) each
-            y = self.masked_kernel(q, keys, values, cache.mask)  # (B, H, T, hs)
-        elif mask is not None:  # padded sequences: keys of padding tokens take no part
-            y = self.masked_kernel(q, k, v, self.full_mask(mask, x))  # (B, H, T, hs)
-        else:
-            y = self.kernel(q, k, v, self.causal)  # (B, H, T, hs)
+        if cache is not None:  # the cache's mask already holds causality, padding and the window
+            k, v = cache.update(self.layer, k, v)  # (B, H, S, hs) each
+            mask = cache.mask  # (B, 1, T, S)
+        y = self.kernel(q, k, v, mask, self.causal and cache is None)  # (B, H, T, hs)
         return self.c_proj(merge_heads(y))
 
     def attention_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The weights a of every head, (B, H, T, T), recomputed explicitly whatever the kernel."""
         q, k, _ = self.project(x)
-        return masked_softmax(attention_scores(q, k), self.full_mask(mask, x))
+        return masked_softmax(attention_scores(q, k), visible_keys(q, k, mask, self.causal))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,43 +314,64 @@ class Block(nn.Module):
 # §6-§7: the language model
 
 
-class GPT(nn.Module):
-    """Token embedding + positions, L blocks, final norm, vocabulary head; causal in every block."""
+def residual_stack(config: ModelConfig, blocks: list[nn.Module], **first: nn.Module) -> nn.ModuleDict:
+    """One stack of blocks: `first` (GPT's token embedding `wte`), positions, dropout, blocks, final norm."""
+    return nn.ModuleDict(dict(
+        **first,
+        wpe=POSITIONS[config.positions][0](config),
+        drop=nn.Dropout(config.dropout),
+        h=nn.ModuleList(blocks),
+        ln_f=NORMS[config.norm](config) if config.arrangement == "pre" else nn.Identity(),  # post: in blocks
+    ))
+
+
+class LanguageModel(nn.Module):
+    """What the GPT and the encoder-decoder share: input rows, the vocabulary head, GPT-2's init."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),  # E, (V, D)
-                wpe=POSITIONS[config.positions](config),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList([Block(config, layer) for layer in range(config.n_layer)]),
-                ln_f=NORMS[config.norm](config) if config.arrangement == "pre" else nn.Identity(),
-            )
-        )
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tied:  # logits = h E^T: the head *is* the embedding tensor (§6)
-            self.lm_head.weight = self.transformer.wte.weight
+
+    def add_head_and_init(self, wte: nn.Embedding, depth: int) -> None:
+        """Add the vocabulary head W_vocab (D -> V), tied to `wte` or not, then initialise every weight."""
+        self.lm_head = nn.Linear(self.config.n_embd, self.config.vocab_size, bias=False)
+        if self.config.tied:  # logits = h E^T: the head *is* the embedding tensor (§6)
+            self.lm_head.weight = wte.weight
         self.apply(init_weights)
         # GPT-2 scales the projections that write into the residual stream by depth, so the
         # stream's variance does not grow with the number of blocks.
         for name, param in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * depth))
+
+    def input_rows(self, stack: nn.ModuleDict, wte: nn.Embedding, idx: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Input rows X = E[w] + p of token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
+        T, window = idx.size(1), self.config.block_size
+        if positions is None:  # 0 .. T-1, which must fit the window
+            if T > window:
+                raise ValueError(f"sequence length {T} exceeds block_size={window}: crop the input to its "
+                                 f"last {window} tokens, or use a model with a larger block_size")
+            positions = torch.arange(T, device=idx.device).unsqueeze(0)  # (1, T)
+        return stack.drop(stack.wpe(wte(idx), positions))  # (B, T, D)
+
+    def num_parameters(self) -> int:
+        """Trainable parameters, counting a tied embedding/head tensor once."""
+        return sum(p.numel() for p in self.parameters())
+
+
+class GPT(LanguageModel):
+    """Token embedding + positions, L blocks, final norm, vocabulary head; causal in every block."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        wte = nn.Embedding(config.vocab_size, config.n_embd)  # E, (V, D)
+        self.transformer = residual_stack(config, [Block(config, n) for n in range(config.n_layer)], wte=wte)
+        self.add_head_and_init(wte, depth=config.n_layer)
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Input rows X = E[w] + p for token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
-        T = idx.size(1)
-        if positions is None and T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {T} exceeds block_size={self.config.block_size}: "
-                f"crop the input to its last {self.config.block_size} tokens"
-            )
-        if positions is None:
-            positions = torch.arange(T, device=idx.device).unsqueeze(0)  # (1, T)
-        x = self.transformer.wpe(self.transformer.wte(idx), positions)  # (B, T, D)
-        return self.transformer.drop(x)
+        return self.input_rows(self.transformer, self.transformer.wte, idx, positions)
 
     def forward_embeddings(self, x: torch.Tensor, cache: KVCache | None = None,
                            last_only: bool = False) -> torch.Tensor:
@@ -462,10 +396,6 @@ class GPT(nn.Module):
         logits = self.forward_embeddings(self.embed(idx, positions), cache, last_only)  # (B, T, V)
         return logits, None if targets is None else next_token_loss(logits, targets)
 
-    def num_parameters(self) -> int:
-        """Trainable parameters, counting a tied embedding/head tensor once."""
-        return sum(p.numel() for p in self.parameters())
-
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of logits (B, T, V) against targets (B, T), skipping targets of -1 (§7.2)."""
@@ -474,12 +404,10 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def init_weights(module: nn.Module) -> None:
     """GPT-2's initialisation: N(0, 0.02) weights, zero biases (PyTorch's defaults hit CPU denormals)."""
-    if isinstance(module, nn.Linear):
+    if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        if module.bias is not None:
-            nn.init.zeros_(module.bias)
-    elif isinstance(module, nn.Embedding):
-        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
 
 
 def parameter_count(config: ModelConfig) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Named presets and the layering of configs: defaults < preset < TOML file < command-line options.
 
-Seq2seq runs have one preset per built-in task, layered the same way under command-line options.
+Plain data and one function. Seq2seq runs have one preset per built-in task, in gptlab.tasks.
 """
 
 from __future__ import annotations
@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
-from gptlab.tasks import required_block_size
+from gptlab.config import ModelConfig, TrainConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -84,44 +83,3 @@ def resolve_configs(preset: str | None = None, toml_path: str | Path | None = No
         model.update(layer.get("model", {}))
         train.update(layer.get("train", {}))
     return ModelConfig.from_dict(model), TrainConfig.from_dict(train)
-
-
-# One per task, chosen by measurement on a 2-core CPU (float32); the window (block_size) is set from the
-# task's longest source and answer unless given.
-SEQ2SEQ_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    # 100% exact match on 1,000 held-out strings at step 1,250 of 1,500 (measured: 1,500 steps in 87 s).
-    "reverse": {
-        "task": dict(min_len=1, max_len=12),
-        "model": dict(n_layer=2, n_encoder_layer=2, n_head=4, n_embd=128),
-        "train": dict(batch_size=64, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                      eval_interval=250, eval_batches=4, precision="float32"),
-    },
-    "sort": {
-        "task": dict(min_len=1, max_len=12),
-        "model": dict(n_layer=2, n_encoder_layer=2, n_head=4, n_embd=128),
-        "train": dict(batch_size=64, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                      eval_interval=250, eval_batches=4, precision="float32"),
-    },
-    # Addition carries from the right while the answer is written from the left: slower to learn. At
-    # 3,000 steps this model reached 87% (lr 2e-3: 26%; 3 + 3 layers: 45%); 5,000 steps reached 99.5%.
-    "add": {
-        "task": dict(min_len=1, max_len=4),
-        "model": dict(n_layer=2, n_encoder_layer=2, n_head=4, n_embd=128),
-        "train": dict(batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-                      eval_interval=500, eval_batches=4, precision="float32"),
-    },
-}
-
-
-def resolve_seq2seq_configs(task: str, task_overrides: dict[str, Any] | None = None,
-                            model_overrides: dict[str, Any] | None = None,
-                            train_overrides: dict[str, Any] | None = None,
-                            ) -> tuple[TaskConfig, Seq2SeqConfig, TrainConfig]:
-    """The task's preset under explicit overrides; block_size fits the task unless it is given."""
-    if task not in SEQ2SEQ_PRESETS:
-        raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(SEQ2SEQ_PRESETS)}")
-    preset = SEQ2SEQ_PRESETS[task]
-    task_config = TaskConfig.from_dict({**preset["task"], **(task_overrides or {}), "task": task})
-    model = {"block_size": required_block_size(task_config), **preset["model"], **(model_overrides or {})}
-    return (task_config, Seq2SeqConfig.from_dict(model),
-            TrainConfig.from_dict({**preset["train"], **(train_overrides or {})}))

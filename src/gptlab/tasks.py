@@ -20,13 +20,13 @@ import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from gptlab.config import TaskConfig
-from gptlab.encoder_decoder import EncoderDecoder
-from gptlab.generate import greedy_answers
+from gptlab.config import Seq2SeqConfig, TaskConfig, TrainConfig
+from gptlab.encoder_decoder import EncoderDecoder, decode_answers
 from gptlab.tokenizer import SymbolTokenizer
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")
@@ -130,6 +130,47 @@ def check_source(config: TaskConfig, source: str, block_size: int) -> None:
                          f"it was trained on up to {config.max_len} characters")
 
 
+# One per task, chosen by measurement on a 2-core CPU (float32); the window (block_size) is set from the
+# task's longest source and answer unless given.
+SEQ2SEQ_PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # 100% exact match on 1,000 held-out strings at step 1,250 of 1,500 (measured: 1,500 steps in 87 s).
+    "reverse": {
+        "task": dict(min_len=1, max_len=12),
+        "model": dict(n_layer=2, n_encoder_layer=2, n_head=4, n_embd=128),
+        "train": dict(batch_size=64, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                      eval_interval=250, eval_batches=4, precision="float32"),
+    },
+    "sort": {
+        "task": dict(min_len=1, max_len=12),
+        "model": dict(n_layer=2, n_encoder_layer=2, n_head=4, n_embd=128),
+        "train": dict(batch_size=64, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                      eval_interval=250, eval_batches=4, precision="float32"),
+    },
+    # Addition carries from the right while the answer is written from the left: slower to learn. At
+    # 3,000 steps this model reached 87% (lr 2e-3: 26%; 3 + 3 layers: 45%); 5,000 steps reached 99.5%.
+    "add": {
+        "task": dict(min_len=1, max_len=4),
+        "model": dict(n_layer=2, n_encoder_layer=2, n_head=4, n_embd=128),
+        "train": dict(batch_size=64, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+                      eval_interval=500, eval_batches=4, precision="float32"),
+    },
+}
+
+
+def resolve_seq2seq_configs(task: str, task_overrides: dict[str, Any] | None = None,
+                            model_overrides: dict[str, Any] | None = None,
+                            train_overrides: dict[str, Any] | None = None,
+                            ) -> tuple[TaskConfig, Seq2SeqConfig, TrainConfig]:
+    """The task's preset under explicit overrides; block_size fits the task unless it is given."""
+    if task not in SEQ2SEQ_PRESETS:
+        raise ValueError(f"unknown task {task!r}; choose one of: {', '.join(SEQ2SEQ_PRESETS)}")
+    preset = SEQ2SEQ_PRESETS[task]
+    task_config = TaskConfig.from_dict({**preset["task"], **(task_overrides or {}), "task": task})
+    model = {"block_size": required_block_size(task_config), **preset["model"], **(model_overrides or {})}
+    return (task_config, Seq2SeqConfig.from_dict(model),
+            TrainConfig.from_dict({**preset["train"], **(train_overrides or {})}))
+
+
 def pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
     """Rows of ids of different lengths as one (B, longest) tensor, filled at the end with `value`."""
     out = torch.full((len(rows), max(map(len, rows))), value, dtype=torch.long)
@@ -160,7 +201,7 @@ def exact_match(model: EncoderDecoder, config: TaskConfig, n: int, seed: int,
     right = 0
     for start in range(0, n, chunk):
         part = sources[start : start + chunk]
-        answers = greedy_answers(model, encode_sources(vocab, part).to(device), BOS, EOS)
+        answers = decode_answers(model, encode_sources(vocab, part).to(device), BOS, EOS)
         right += sum(vocab.decode(a) == task.answer(s) for a, s in zip(answers, part, strict=True))
     return right / n
 

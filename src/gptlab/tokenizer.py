@@ -192,7 +192,7 @@ class GPT2Tokenizer(Tokenizer):
     kind = "gpt2"
 
     def __init__(self) -> None:
-        self._encoding = _load_gpt2_encoding()
+        self._encoding = load_gpt2_encoding()
         self.vocab_size = self._encoding.n_vocab
         self.eot_id = self._encoding.eot_token
 
@@ -234,7 +234,7 @@ class SymbolTokenizer(Tokenizer):
         return {"kind": self.kind, "specials": self.specials, "chars": self.chars}
 
 
-def _load_gpt2_encoding() -> Any:
+def load_gpt2_encoding() -> Any:
     """tiktoken's "gpt2" encoding, or a ValueError that says what is missing and how to get it."""
     try:
         import tiktoken

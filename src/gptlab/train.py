@@ -37,7 +37,6 @@ from gptlab.checkpoint import (
     LAST,
     Checkpoint,
     architecture,
-    atomic_write,
     load_checkpoint,
     new_model,
     require_architecture,
@@ -45,10 +44,11 @@ from gptlab.checkpoint import (
 )
 from gptlab.common import autocast, resolve_precision, seed_everything
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
-from gptlab.data import TokenData
+from gptlab.data import TokenData, prepare
+from gptlab.files import atomic_write_text
 from gptlab.metrics import MetricsLog, plot_losses
 from gptlab.tasks import TaskData
-from gptlab.tokenizer import Tokenizer
+from gptlab.tokenizer import Tokenizer, tokenizer_from_dict
 
 log = logging.getLogger("gptlab.train")
 
@@ -159,45 +159,49 @@ class StopOnInterrupt:
 
 
 class Trainer:
-    """One training run: the model, optimiser, data stream and counters, restorable from a checkpoint."""
+    """One training run: the model, optimiser, data stream and counters, restorable from a checkpoint.
 
-    def __init__(self, run_dir: Path, data: TrainingData, model_config: ModelConfig,
-                 train_config: TrainConfig, checkpoint: Checkpoint | None = None, progress: bool = True,
-                 init_from: Checkpoint | None = None) -> None:
+    `config` is the model's config and `train_config` the training's. The process group of a torchrun
+    launch (`dist`, `device`) is joined by the caller, `train` or `resume`.
+    """
+
+    def __init__(self, run_dir: Path, data: TrainingData, config: ModelConfig, train_config: TrainConfig,
+                 dist: distributed.Dist, device: torch.device, checkpoint: Checkpoint | None = None,
+                 progress: bool = True, init_from: Checkpoint | None = None) -> None:
         """`checkpoint` resumes a run exactly; `init_from` only supplies starting weights (fine-tuning)."""
         self.run_dir, self.data = run_dir, data
-        self.model_config, self.config = model_config, train_config
-        self.dist, self.device = distributed.setup(train_config.device)
-        self.progress = progress and self.dist.is_main
-        if train_config.batch_size % self.dist.world_size:
+        self.config, self.train_config = config, train_config
+        self.dist, self.device = dist, device
+        self.progress = progress and dist.is_main
+        if train_config.batch_size % dist.world_size:
             raise ValueError(
-                f"batch_size={train_config.batch_size} is not divisible by the {self.dist.world_size} "
-                f"processes: choose a multiple of {self.dist.world_size}"
+                f"batch_size={train_config.batch_size} is not divisible by the {dist.world_size} "
+                f"processes: choose a multiple of {dist.world_size}"
             )
-        share = train_config.batch_size // self.dist.world_size
-        self.rows = slice(self.dist.rank * share, (self.dist.rank + 1) * share)  # this rank's windows
-        self.dtype = resolve_precision(train_config.precision, self.device, model_config.n_embd)
+        share = train_config.batch_size // dist.world_size
+        self.rows = slice(dist.rank * share, (dist.rank + 1) * share)  # this rank's windows
+        self.dtype = resolve_precision(train_config.precision, device, config.n_embd)
         seed_everything(train_config.seed)
-        model = new_model(model_config)
+        model = new_model(config)
         if (checkpoint or init_from) is not None:
-            model.load_state_dict((checkpoint or init_from).build_model().state_dict())
-        self.model = distributed.wrap(model.to(self.device), train_config.parallel, self.dist, self.device)
+            (checkpoint or init_from).load_weights(model)
+        self.model = distributed.wrap(model.to(device), train_config.parallel, dist, device)
         self.optimizer = make_optimizer(self.model, train_config)
         self.batches = torch.Generator().manual_seed(train_config.seed)  # the data sampler's state
         self.step, self.best_val, self.last_val = 0, math.inf, math.nan
         self.train_time, self.tokens_seen = 0.0, 0
         if checkpoint is not None:
             self._restore(checkpoint)
-        if self.dist.rank:  # other ranks draw their own dropout masks
-            torch.manual_seed(train_config.seed + 7919 * self.dist.rank + self.step)
+        if dist.rank:  # other ranks draw their own dropout masks
+            torch.manual_seed(train_config.seed + 7919 * dist.rank + self.step)
         self.forward_model = torch.compile(self.model) if train_config.compile else self.model
         resume_step = self.step if checkpoint else None
         self.metrics = (MetricsLog(run_dir / "metrics.csv", data.metric_names, resume_step)
-                        if self.dist.is_main else None)
-        log.info(f"{model.num_parameters():,} parameters on {self.device} in "
+                        if dist.is_main else None)
+        log.info(f"{model.num_parameters():,} parameters on {device} in "
                  f"{str(self.dtype).removeprefix('torch.')}, "
                  f"{train_config.batch_size * train_config.grad_accum:,} sequences per step, "
-                 f"{self.dist.world_size} process(es), from step {self.step} to {train_config.max_steps}")
+                 f"{dist.world_size} process(es), from step {self.step} to {train_config.max_steps}")
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         assert checkpoint.optimizer_state is not None, "a training checkpoint carries its optimiser"
@@ -219,21 +223,21 @@ class Trainer:
         state = {"step": self.step, "best_val_loss": self.best_val, "last_val_loss": self.last_val,
                  "train_time_s": self.train_time, "tokens_seen": self.tokens_seen, **self.data.state()}
         weights = distributed.full_model_state(self.model)
-        if self.model_config.tied:  # stored once, as the embedding
+        if self.config.tied:  # stored once, as the embedding
             del weights["lm_head.weight"]
-        return Checkpoint(self.model_config, self.data.tokenizer.to_dict(), weights, self.config, state,
+        return Checkpoint(self.config, self.data.tokenizer.to_dict(), weights, self.train_config, state,
                           distributed.full_optimizer_state(self.model, self.optimizer), rng)
 
     def train_step(self, stop_requested: bool) -> tuple[float, bool]:
         """One optimiser step over `grad_accum` micro-batches: the mean loss, and whether to stop now."""
-        cfg = self.config
+        cfg = self.train_config
         lr = learning_rate(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         # The step's loss is the mean over every scored target of its micro-batches, on all ranks.
         # Padded (seq2seq) batches score different numbers of targets per slice, so each slice's mean
         # is weighted by its share of them; DDP's averaging over ranks is undone by the world size.
-        batches = [self.data.get_batch("train", cfg.batch_size, self.model_config.block_size, self.batches)
+        batches = [self.data.get_batch("train", cfg.batch_size, self.config.block_size, self.batches)
                    for _ in range(cfg.grad_accum)]
         scored = sum(int((batch[-1] != -1).sum()) for batch in batches)  # over every rank's rows
         self.tokens_seen += scored
@@ -262,7 +266,7 @@ class Trainer:
 
     def evaluate_and_save(self) -> None:
         """Evaluate, append a metrics row, redraw the plot, and save `last` (and `best` if improved)."""
-        losses = estimate_losses(self.model, self.data, self.config, self.model_config.block_size,
+        losses = estimate_losses(self.model, self.data, self.train_config, self.config.block_size,
                                  self.device, self.dtype)
         self.last_val = losses["val"]
         improved = losses["val"] < self.best_val
@@ -271,11 +275,12 @@ class Trainer:
         if self.metrics is None:
             return
         self.model.eval()
-        extra = self.data.metrics(distributed.unwrap(self.model), losses, self.config.seed + 2, self.device)
+        extra = self.data.metrics(distributed.unwrap(self.model), losses, self.train_config.seed + 2,
+                                  self.device)
         self.model.train()
         self.metrics.append(
             step=self.step, train_loss=losses["train"], val_loss=losses["val"], **extra,
-            lr=learning_rate(self.step, self.config), tokens_per_s=self.tokens_per_s(),
+            lr=learning_rate(self.step, self.train_config), tokens_per_s=self.tokens_per_s(),
             elapsed_s=self.train_time,
         )
         shown = ", ".join(f"{name.removeprefix('val_').replace('_', ' ')} {value:.4g}"
@@ -292,9 +297,10 @@ class Trainer:
 
     def run(self, stop_at: int | None = None) -> TrainResult:
         """Train until `max_steps` (or `stop_at`), evaluating and saving every `eval_interval` steps."""
-        end = min(stop_at, self.config.max_steps) if stop_at is not None else self.config.max_steps
+        max_steps = self.train_config.max_steps
+        end = min(stop_at, max_steps) if stop_at is not None else max_steps
         stopping = False
-        with StopOnInterrupt() as stop, tqdm(total=self.config.max_steps, initial=self.step, unit="step",
+        with StopOnInterrupt() as stop, tqdm(total=max_steps, initial=self.step, unit="step",
                                              disable=not self.progress, dynamic_ncols=True) as bar:
             if self.step == 0:
                 self.evaluate_and_save()  # the untrained baseline, so the curve starts at step 0
@@ -305,7 +311,7 @@ class Trainer:
                 self.step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
-                if self.step % self.config.eval_interval == 0 or self.step == end:
+                if self.step % self.train_config.eval_interval == 0 or self.step == end:
                     self.evaluate_and_save()
             if stopping:
                 log.info(f"interrupted: saving step {self.step} to {self.run_dir / LAST}")
@@ -316,27 +322,44 @@ class Trainer:
                            self.tokens_per_s(), stopping)
 
 
-def train(run_dir: str | Path, data_dir: str | Path, model_config: ModelConfig, train_config: TrainConfig,
-          *, stop_at: int | None = None, progress: bool = True,
-          init_from: str | Path | None = None) -> TrainResult:
-    """Start a new run in `run_dir` on a prepared data folder; vocab_size is taken from its tokenizer.
+def train(run_dir: str | Path, data: str | Path, model_config: ModelConfig, train_config: TrainConfig, *,
+          tokenizer: str = "char", vocab_size: int | None = None, stop_at: int | None = None,
+          progress: bool = True, init_from: str | Path | None = None) -> TrainResult:
+    """Start a new run in `run_dir` on `data`; vocab_size is taken from the data's tokenizer.
 
-    With `init_from` (a run folder or checkpoint), the model and its starting weights come from that
-    checkpoint, whose tokenizer the data must have been prepared with: fine-tuning.
+    `data` is a prepared folder, or text (a built-in corpus, a file, a folder, a glob) that is first
+    prepared into RUN/data with `tokenizer` (and `vocab_size` for bpe). With `init_from` (a run folder
+    or checkpoint) the model, its starting weights and the tokenizer come from that checkpoint:
+    fine-tuning. Under torchrun every process calls this; rank 0 prepares the data and writes files.
     """
     run_dir = Path(run_dir)
-    if (run_dir / LAST).exists():
-        raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
-    data = TokenData(data_dir)
+    check_new_run(run_dir)
     start = load_checkpoint(init_from) if init_from is not None else None
     if start is not None:
         require_architecture(architecture(start.model_config), init_from, "decoder")
-        if data.tokenizer.to_dict() != start.tokenizer:
-            raise ValueError(f"{data_dir} was prepared with another tokenizer than {init_from}'s: prepare "
-                             "the text through `gptlab train --init-from`, which uses the checkpoint's")
         model_config = start.model_config
-    model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size)
-    return start_run(run_dir, data, model_config, train_config, stop_at, progress, start)
+    with distributed.session(train_config.device) as (dist, device):
+        if not (Path(data) / "meta.json").is_file():
+            text_tokenizer = tokenizer_from_dict(start.tokenizer) if start else tokenizer
+            data = prepare_for_run(data, run_dir, text_tokenizer, vocab_size, dist.is_main, progress)
+        token_data = TokenData(data)
+        if start is not None and token_data.tokenizer.to_dict() != start.tokenizer:
+            raise ValueError(f"{data} was prepared with another tokenizer than {init_from}'s: give the text "
+                             "itself as the data, and it is prepared with the checkpoint's tokenizer")
+        model_config = model_config.replace(vocab_size=token_data.tokenizer.vocab_size)
+        return start_run(run_dir, token_data, model_config, train_config, dist, device, stop_at, progress,
+                         start)
+
+
+def prepare_for_run(source: str | Path, run_dir: Path, tokenizer: str | Tokenizer, vocab_size: int | None,
+                    is_main: bool, progress: bool) -> Path:
+    """Prepare text into RUN/data on the main process while the others wait; the prepared folder."""
+    if is_main:
+        which = f"the {tokenizer}" if isinstance(tokenizer, str) else "the checkpoint's"
+        log.info(f"preparing {source} with {which} tokenizer into {run_dir / 'data'}")
+        prepare(str(source), run_dir / "data", tokenizer=tokenizer, vocab_size=vocab_size, progress=progress)
+    distributed.barrier()  # under torchrun the other ranks wait for rank 0's data
+    return run_dir / "data"
 
 
 def train_seq2seq(run_dir: str | Path, task_config: TaskConfig, model_config: Seq2SeqConfig,
@@ -344,46 +367,56 @@ def train_seq2seq(run_dir: str | Path, task_config: TaskConfig, model_config: Se
                   progress: bool = True) -> TrainResult:
     """Start a new encoder-decoder run in `run_dir` on a built-in task; the vocabulary is the task's."""
     run_dir = Path(run_dir)
-    if (run_dir / LAST).exists():
-        raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
+    check_new_run(run_dir)
     if train_config.parallel == "fsdp":
         raise ValueError("--parallel fsdp is not offered for seq2seq runs (exact-match decoding needs the "
                          "whole model on each process): use --parallel ddp")
     data = TaskData(task_config)
     model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size, pad_id=0)
-    return start_run(run_dir, data, model_config, train_config, stop_at, progress)
+    with distributed.session(train_config.device) as (dist, device):
+        return start_run(run_dir, data, model_config, train_config, dist, device, stop_at, progress)
+
+
+def check_new_run(run_dir: Path) -> None:
+    """Refuse to start a run in a folder that already holds one."""
+    if (run_dir / LAST).exists():
+        raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
 
 
 def start_run(run_dir: Path, data: TrainingData, model_config: ModelConfig, train_config: TrainConfig,
-              stop_at: int | None, progress: bool, init_from: Checkpoint | None = None) -> TrainResult:
+              dist: distributed.Dist, device: torch.device, stop_at: int | None, progress: bool,
+              init_from: Checkpoint | None = None) -> TrainResult:
     """Check the window, write config.json (rank 0), and train."""
     data.check_window(model_config.block_size)
-    info, _ = distributed.setup(train_config.device)
-    if info.is_main:
+    if dist.is_main:
         write_run_config(run_dir, model_config, train_config, data)
-    trainer = Trainer(run_dir, data, model_config, train_config, progress=progress, init_from=init_from)
+    trainer = Trainer(run_dir, data, model_config, train_config, dist, device, progress=progress,
+                      init_from=init_from)
     return trainer.run(stop_at)
 
 
 def write_run_config(run_dir: Path, model_config: ModelConfig, train_config: TrainConfig,
                      data: TrainingData) -> None:
     """The resolved settings as readable JSON beside the checkpoints."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    resolved = {
-        "model": model_config.to_dict(),
-        "train": train_config.to_dict(),
-        **data.state(),
-    }
-    atomic_write(run_dir / "config.json", lambda tmp: tmp.write_text(json.dumps(resolved, indent=2) + "\n"))
+    resolved = {"model": model_config.to_dict(), "train": train_config.to_dict(), **data.state()}
+    atomic_write_text(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
 
 
-def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True) -> TrainResult:
-    """Continue the run in `run_dir` exactly where its last checkpoint left off."""
+def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,
+           expect: str | None = None) -> TrainResult:
+    """Continue the run in `run_dir` exactly where its last checkpoint left off.
+
+    `expect` ("decoder" or "encoder-decoder") refuses a run of the other architecture with a pointer.
+    """
     run_dir = Path(run_dir)
     checkpoint = load_checkpoint(run_dir, prefer=LAST)
+    if expect is not None:
+        require_architecture(architecture(checkpoint.model_config), run_dir, expect)
     if checkpoint.train_config is None or checkpoint.optimizer_state is None:
         raise ValueError(f"{run_dir} holds weights but no training state (an imported model?): "
                          "there is nothing to resume; start a new run instead")
     data = data_from_state(checkpoint.state)
-    trainer = Trainer(run_dir, data, checkpoint.model_config, checkpoint.train_config, checkpoint, progress)
-    return trainer.run(stop_at)
+    with distributed.session(checkpoint.train_config.device) as (dist, device):
+        trainer = Trainer(run_dir, data, checkpoint.model_config, checkpoint.train_config, dist, device,
+                          checkpoint, progress)
+        return trainer.run(stop_at)

@@ -44,7 +44,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Confi
                 flag, dest=field.name, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=help_text,
             )
+        elif typing.get_origin(kind) is tuple:  # a list of strings: the option may be repeated
+            group.add_argument(flag, dest=field.name, nargs="+", action="extend", metavar="S",
+                               default=argparse.SUPPRESS, help=help_text)
         else:
+            kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)  # X | None -> X
             choices = field.metadata.get("choices")
             group.add_argument(
                 flag, dest=field.name, type=kind, choices=choices,

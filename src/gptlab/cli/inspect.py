@@ -41,13 +41,14 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
 def draw_cross_attention(args: argparse.Namespace, out: Path) -> int:
     """A seq2seq run: draw where each answer token looked in the source (--prompt is the source)."""
-    from gptlab.cli.seq2seq import load_seq2seq
+    from gptlab.checkpoint import load_seq2seq
+    from gptlab.common import resolve_device
     from gptlab.inspection.cross_attention import cross_attention_maps, save_cross_attention_png
 
     if out.suffix.lower() != ".png":
         raise ValueError(f"--out {args.out}: a seq2seq run's cross-attention is drawn as a picture; "
                          "give --out FILE.png")
-    model, vocab, task = load_seq2seq(args.run, args.device)
+    model, vocab, task = load_seq2seq(args.run, resolve_device(args.device))
     maps = cross_attention_maps(model, vocab, task, args.prompt, args.layer, args.head)
     save_cross_attention_png(maps, out)
     print(f"wrote {out}: cross-attention of {len(maps.layers)} layer(s) x {len(maps.heads)} head(s), "
@@ -105,8 +106,9 @@ def cmd_intervene(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     """Measure the handout's properties on a trained model; non-zero exit if any fails."""
     from gptlab.checkpoint import architecture, load_checkpoint
+    from gptlab.checks import failed
     from gptlab.common import resolve_device
-    from gptlab.inspection.verify import failed, verify_model
+    from gptlab.inspection.verify import verify_model
     from gptlab.inspection.verify_seq2seq import verify_seq2seq
 
     # Only the weights: the checks use random token ids, so a run needs no working tokenizer here.
@@ -117,9 +119,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     width = max(len(p.name) for p in properties)
     print(f"{'result':<6} {'section':<7} {'property':<{width}} {'deviation':>10} {'tolerance':>10}  note")
     for p in properties:
-        verdict = {True: "PASS", False: "FAIL", None: "n/a"}[p.passed]
         numbers = "".join(f" {'-' if v is None else f'{v:.1e}':>10}" for v in (p.deviation, p.tolerance))
-        print(f"{verdict:<6} {p.section:<7} {p.name:<{width}}{numbers}  {p.note}")
+        print(f"{p.verdict:<6} {p.section:<7} {p.name:<{width}}{numbers}  {p.note}")
     bad = failed(properties)
     print(f"\n{len(properties) - len(bad)} of {len(properties)} hold or do not apply, {len(bad)} failed")
     return 1 if bad else 0

@@ -14,32 +14,23 @@ from gptlab.cli.common import (
     print_configs,
     report_run,
 )
-from gptlab.config import Seq2SeqConfig, TaskConfig, TrainConfig
+from gptlab.config import SamplingConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 
 SHOWN_EXAMPLES = 5  # held-out examples printed after training
-
-
-def load_seq2seq(run: str, device: str) -> tuple[Any, Any, TaskConfig]:
-    """The encoder-decoder (eval mode, on `device`), its vocabulary and its task, from a seq2seq run."""
-    from gptlab.checkpoint import inference_model, load_checkpoint
-    from gptlab.common import resolve_device
-    from gptlab.tokenizer import tokenizer_from_dict
-
-    checkpoint = load_checkpoint(run)
-    model = inference_model(checkpoint, run, resolve_device(device), expect="encoder-decoder")
-    return model, tokenizer_from_dict(checkpoint.tokenizer), TaskConfig.from_dict(checkpoint.state["task"])
+SAMPLE_DEFAULTS = {"temperature": 0.0}  # answers are greedy unless a temperature is given
 
 
 def answer_lines(model: Any, vocab: Any, task: TaskConfig, sources: list[str],
-                 use_cache: bool = True) -> list[str]:
+                 sampling: SamplingConfig | None = None, use_cache: bool = True) -> list[str]:
     """`source -> answer` lines, each marked right or wrong against the task's true answer."""
     from gptlab import tasks
-    from gptlab.generate import greedy_answers
+    from gptlab.encoder_decoder import decode_answers
 
     for source in sources:
         tasks.check_source(task, source, model.config.block_size)
     src = tasks.encode_sources(vocab, sources).to(next(model.parameters()).device)
-    answers = [vocab.decode(a) for a in greedy_answers(model, src, tasks.BOS, tasks.EOS, use_cache)]
+    ids = decode_answers(model, src, tasks.BOS, tasks.EOS, sampling, use_cache=use_cache)
+    answers = [vocab.decode(a) for a in ids]
     lines = []
     for source, answer in zip(sources, answers, strict=True):
         truth = tasks.get_task(task.task).answer(source)
@@ -51,37 +42,28 @@ def answer_lines(model: Any, vocab: Any, task: TaskConfig, sources: list[str],
 def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     """Train a new seq2seq run (or resume one), then report exact match and a few held-out answers."""
     from gptlab import distributed, tasks
-    from gptlab.checkpoint import LAST, checkpoint_architecture, require_architecture
-    from gptlab.presets import resolve_seq2seq_configs
+    from gptlab.checkpoint import load_seq2seq
+    from gptlab.tasks import resolve_seq2seq_configs
     from gptlab.train import resume, train_seq2seq
 
     out = Path(args.out or f"runs/seq2seq-{args.task}")
-    try:
-        if args.resume:
-            require_architecture(checkpoint_architecture(out, LAST), out, "encoder-decoder")
-            result = resume(out, stop_at=args.stop_at, progress=not args.no_progress)
-            is_main = distributed.setup("auto")[0].is_main
-        else:
-            task, model, train = resolve_seq2seq_configs(
-                args.task, config_overrides(args, TaskConfig), config_overrides(args, Seq2SeqConfig),
-                config_overrides(args, TrainConfig))
-            if (out / LAST).exists():
-                raise ValueError(f"{out} already holds a run: continue it with --resume, or choose another "
-                                 "--out")
-            is_main = distributed.setup(train.device)[0].is_main
-            if is_main:
-                print_configs({"task": task, "model": model, "train": train},
-                              hidden=("vocab_size", "pad_id", "causal"))
-            result = train_seq2seq(out, task, model, train, stop_at=args.stop_at,
-                                   progress=not args.no_progress)
-    finally:
-        distributed.shutdown()
+    is_main = distributed.this_process().is_main
+    if args.resume:
+        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="encoder-decoder")
+    else:
+        task, model, train = resolve_seq2seq_configs(
+            args.task, config_overrides(args, TaskConfig), config_overrides(args, Seq2SeqConfig),
+            config_overrides(args, TrainConfig))
+        if is_main:
+            print_configs({"task": task, "model": model, "train": train},
+                          hidden=("vocab_size", "pad_id", "causal"))
+        result = train_seq2seq(out, task, model, train, stop_at=args.stop_at, progress=not args.no_progress)
     if not is_main:
         return 130 if result.interrupted else 0
     report_run(result, out)
     if result.interrupted:
         return 130
-    model, vocab, task = load_seq2seq(str(out), "cpu")
+    model, vocab, task = load_seq2seq(out)
     import torch
 
     score = tasks.exact_match(model, task, task.eval_examples, seed=0, device=torch.device("cpu"))
@@ -93,16 +75,22 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
 
 def cmd_seq2seq_sample(args: argparse.Namespace) -> int:
     """Answer each --input with the trained model (greedy decoding)."""
-    model, vocab, task = load_seq2seq(args.run, args.device)
-    print("\n".join(answer_lines(model, vocab, task, args.input, args.use_cache)))
+    from gptlab.checkpoint import load_seq2seq
+    from gptlab.common import resolve_device
+
+    model, vocab, task = load_seq2seq(args.run, resolve_device(args.device))
+    sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **config_overrides(args, SamplingConfig)})
+    print("\n".join(answer_lines(model, vocab, task, args.input, sampling, args.use_cache)))
     return 0
 
 
 def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
     """Exact match on held-out examples (sources never trained on, of the trained lengths)."""
     from gptlab import tasks
+    from gptlab.checkpoint import load_seq2seq
+    from gptlab.common import resolve_device
 
-    model, _, task = load_seq2seq(args.run, args.device)
+    model, _, task = load_seq2seq(args.run, resolve_device(args.device))
     if args.examples < 1:
         raise ValueError(f"--examples={args.examples} must be at least 1")
     device = next(model.parameters()).device
@@ -114,7 +102,7 @@ def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
 
 def preset_defaults(group: str) -> dict[str, str]:
     """The defaults the task presets give a config group's fields, for --help ("2" or "reverse 1500, ...")."""
-    from gptlab.presets import SEQ2SEQ_PRESETS
+    from gptlab.tasks import SEQ2SEQ_PRESETS
 
     names = {name for preset in SEQ2SEQ_PRESETS.values() for name in preset[group]}
     shown = {}
@@ -161,14 +149,16 @@ def add_seq2seq_commands(sub: Any) -> None:
     tr.set_defaults(func=cmd_seq2seq_train)
 
     sa = commands.add_parser("sample", help="answer inputs with a trained model",
-                             description="Answer each input greedily, encoding it once and decoding with a "
-                             "KV cache, and say whether the answer is right.",
+                             description="Answer each input (greedily unless --temperature is given), "
+                             "encoding it once and decoding with a KV cache, and say whether the answer is "
+                             "right.",
                              epilog="example: gptlab seq2seq sample runs/seq2seq-reverse --input gptlab "
                              "--input attention")
     sa.add_argument("run", help="seq2seq run folder or checkpoint file")
     sa.add_argument("--input", required=True, action="append", help="a source to answer; repeatable")
     sa.add_argument("--no-kv-cache", dest="use_cache", action="store_false",
                     help="recompute the whole answer at every step (the reference decoder)")
+    add_config_arguments(sa, SamplingConfig, "sampling options", exclude=("stop",), defaults=SAMPLE_DEFAULTS)
     add_device_option(sa)
     sa.set_defaults(func=cmd_seq2seq_sample)
 

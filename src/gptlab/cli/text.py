@@ -16,23 +16,24 @@ from gptlab.cli.common import (
     print_configs,
     report_run,
 )
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 
 EVAL_TOKENS = 2**18  # the final evaluation after training scores at most this many tokens
+SAMPLE_DEFAULTS = {"temperature": 0.8, "seed": 1337}  # `gptlab sample`'s own, over SamplingConfig's
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
     """Run every worked example and property of the handout; non-zero exit if any fails."""
+    from gptlab.checks import failed
     from gptlab.lab import run_lab
 
     results = run_lab()
     width = max(len(r.name) for r in results)
     for r in results:
-        verdict = "PASS" if r.passed else "FAIL"
-        print(f"{verdict}  {r.section:<6} {r.name:<{width}}  expected {r.expected}  computed {r.computed}")
-    failed = sum(not r.passed for r in results)
-    print(f"\n{len(results) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+        print(f"{r.verdict}  {r.section:<6} {r.name:<{width}}  expected {r.expected}  computed {r.computed}")
+    bad = failed(results)
+    print(f"\n{len(results) - len(bad)} passed, {len(bad)} failed")
+    return 1 if bad else 0
 
 
 def cmd_model(args: argparse.Namespace) -> int:
@@ -67,64 +68,33 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def data_folder(args: argparse.Namespace, out: Path, is_main: bool) -> Path:
-    """A prepared folder as given, or the corpus/text prepared (by rank 0) into OUT/data."""
-    from gptlab import distributed
-    from gptlab.checkpoint import load_checkpoint
-    from gptlab.data import prepare
-    from gptlab.tokenizer import tokenizer_from_dict
-
-    if (Path(args.data) / "meta.json").is_file():
-        return Path(args.data)
-    tokenizer = args.tokenizer
-    if args.init_from:  # fine-tuning: the text must be tokenized exactly as the checkpoint was
-        tokenizer = tokenizer_from_dict(load_checkpoint(args.init_from).tokenizer)
-    if is_main:
-        which = f"the {tokenizer}" if isinstance(tokenizer, str) else "the checkpoint's"
-        print(f"preparing {args.data} with {which} tokenizer into {out / 'data'}")
-        prepare(args.data, out / "data", tokenizer=tokenizer, vocab_size=args.tokenizer_vocab_size,
-                progress=not args.no_progress)
-    distributed.barrier()  # under torchrun the other ranks wait for rank 0's data
-    return out / "data"
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     """Train a new run (or resume one), then report its evaluation and a few samples.
 
-    Under torchrun every process runs this; rank 0 prepares the data and does all the printing.
+    Under torchrun every process runs this; the library joins the process group, rank 0 prepares the
+    data, and only rank 0 prints.
     """
     from gptlab import distributed
-    from gptlab.checkpoint import LAST, checkpoint_architecture, require_architecture
     from gptlab.presets import resolve_configs
     from gptlab.train import resume, train
 
     out = Path(args.out)
-    try:
-        if args.resume:
-            require_architecture(checkpoint_architecture(out, LAST), out, "decoder")
-            result = resume(out, stop_at=args.stop_at, progress=not args.no_progress)
-            is_main = distributed.setup("auto")[0].is_main
-        else:
-            model_overrides = config_overrides(args, ModelConfig)
-            if args.init_from:
-                require_architecture(checkpoint_architecture(args.init_from), args.init_from, "decoder")
-            if args.init_from and model_overrides:
-                flags = ", ".join("--" + name.replace("_", "-") for name in model_overrides)
-                raise ValueError(f"--init-from takes the model from the checkpoint: {flags} cannot change it")
-            model_config, train_config = resolve_configs(
-                args.preset, args.config, model_overrides, config_overrides(args, TrainConfig)
-            )
-            if (out / "last.safetensors").exists():
-                raise ValueError(f"{out} already holds a run: continue it with --resume, or choose another "
-                                 "--out")
-            is_main = distributed.setup(train_config.device)[0].is_main
-            data_dir = data_folder(args, out, is_main)
-            if is_main:
-                print_configs({"model": model_config, "train": train_config}, hidden=("vocab_size",))
-            result = train(out, data_dir, model_config, train_config, stop_at=args.stop_at,
-                           progress=not args.no_progress, init_from=args.init_from)
-    finally:
-        distributed.shutdown()
+    is_main = distributed.this_process().is_main
+    if args.resume:
+        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder")
+    else:
+        model_overrides = config_overrides(args, ModelConfig)
+        if args.init_from and model_overrides:
+            flags = ", ".join("--" + name.replace("_", "-") for name in model_overrides)
+            raise ValueError(f"--init-from takes the model from the checkpoint: {flags} cannot change it")
+        model_config, train_config = resolve_configs(
+            args.preset, args.config, model_overrides, config_overrides(args, TrainConfig)
+        )
+        if is_main:
+            print_configs({"model": model_config, "train": train_config}, hidden=("vocab_size",))
+        result = train(out, args.data, model_config, train_config, tokenizer=args.tokenizer,
+                       vocab_size=args.tokenizer_vocab_size, stop_at=args.stop_at,
+                       progress=not args.no_progress, init_from=args.init_from)
     if not is_main:
         return 130 if result.interrupted else 0
     report_run(result, out)
@@ -132,8 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 130
     print(f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
     if args.samples:
-        print_samples(out, "\n", args.samples, max_new_tokens=300, temperature=0.8, top_k=None, seed=0,
-                      device="cpu")
+        print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu")
     return 0
 
 
@@ -173,30 +142,26 @@ def evaluation_line(run: str | Path, data: str, max_tokens: int | None) -> str:
             f"({result.tokens:,} tokens scored)")
 
 
-def print_samples(run: str | Path, prompt: str, num_samples: int, *, max_new_tokens: int, temperature: float,
-                  top_k: int | None, seed: int, device: str, top_p: float = 1.0, stop: Sequence[str] = (),
+def print_samples(run: str | Path, prompt: str, num_samples: int, sampling: SamplingConfig, *, device: str,
                   use_cache: bool = True, as_json: bool = False) -> None:
     """Stream `num_samples` continuations of `prompt` to stdout, or print one JSON line per sample."""
     import json
     import time
 
-    import torch
-
     from gptlab.checkpoint import load_run
     from gptlab.common import resolve_device
-    from gptlab.generate import check_sampling, stream_text
+    from gptlab.generate import stream_text
+    from gptlab.sampling import sampler
 
-    check_sampling(temperature, top_k, max_new_tokens, top_p)
     if num_samples < 1:
         raise ValueError(f"--num-samples={num_samples} must be at least 1")
     torch_device = resolve_device(device)
     model, tokenizer = load_run(run, torch_device)
-    generator = torch.Generator(torch_device).manual_seed(seed)
+    generator = sampler(sampling, torch_device)  # one stream for all samples, so each one differs
     for n in range(num_samples):
         begin = time.perf_counter()
-        # stream_text checks the prompt and the stop strings before anything is printed
-        chunks = stream_text(model, tokenizer, prompt, max_new_tokens, temperature, top_k, generator,
-                             top_p=top_p, stop=stop, use_cache=use_cache)
+        # stream_text checks the prompt before anything is printed
+        chunks = stream_text(model, tokenizer, prompt, sampling, generator=generator, use_cache=use_cache)
         if not as_json:
             sys.stdout.write(f"--- sample {n + 1} ---\n{prompt}")
         completion, tokens = "", []
@@ -218,9 +183,9 @@ def print_samples(run: str | Path, prompt: str, num_samples: int, *, max_new_tok
 def cmd_sample(args: argparse.Namespace) -> int:
     """Print continuations of a prompt (or of a file's text) from a trained checkpoint."""
     prompt = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(encoding="utf-8")
-    print_samples(args.run, prompt, args.num_samples, max_new_tokens=args.max_new_tokens,
-                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop=args.stop or (),
-                  seed=args.seed, device=args.device, use_cache=args.use_cache, as_json=args.json)
+    sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **config_overrides(args, SamplingConfig)})
+    print_samples(args.run, prompt, args.num_samples, sampling, device=args.device, use_cache=args.use_cache,
+                  as_json=args.json)
     return 0
 
 
@@ -301,19 +266,12 @@ def add_data_commands(sub: Any) -> None:
     source = sa.add_mutually_exclusive_group()
     source.add_argument("--prompt", default="\n", help="text to continue (cropped to the context window)")
     source.add_argument("--prompt-file", metavar="FILE", help="continue the text of this UTF-8 file instead")
-    sa.add_argument("--max-new-tokens", type=int, default=300)
-    sa.add_argument("--temperature", type=float, default=0.8, help="0 = greedy; higher = more random")
-    sa.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
-    sa.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                    help="sample only among the fewest tokens whose probability reaches P (default 1: all)")
-    sa.add_argument("--stop", nargs="+", action="extend", metavar="S",
-                    help="stop before any of these strings (repeatable); they are not printed")
-    sa.add_argument("--seed", type=int, default=1337)
-    sa.add_argument("--num-samples", type=int, default=1)
+    sa.add_argument("--num-samples", type=int, default=1, metavar="N", help="continuations (default 1)")
     sa.add_argument("--no-kv-cache", dest="use_cache", action="store_false",
                     help="recompute every step without the KV cache (the slow reference loop)")
     sa.add_argument("--json", action="store_true", help="print one JSON object per sample: prompt, "
                     "completion, tokens, stop_reason, tokens_per_s")
+    add_config_arguments(sa, SamplingConfig, "sampling options", defaults=SAMPLE_DEFAULTS)
     add_device_option(sa)
     sa.set_defaults(func=cmd_sample)
 

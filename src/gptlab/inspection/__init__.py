@@ -5,7 +5,7 @@
 - `attention_view`: attention weights of a prompt as a PNG grid or an interactive, offline HTML page.
 - `cross_attention`: an encoder-decoder's cross-attention: where each answer token read the source.
 - `interventions`: remove heads or edit the prompt, and measure the prediction (the causal test).
-- `verify`: the handout's properties measured on a trained model.
+- `verify`, `verify_seq2seq`: the handout's properties (`gptlab.checks`) measured on a trained model.
 """
 
 from gptlab.inspection.attention_view import (
@@ -29,7 +29,7 @@ from gptlab.inspection.interventions import (
     intervene,
     save_ablation_png,
 )
-from gptlab.inspection.verify import Property, verify_model
+from gptlab.inspection.verify import verify_model
 
 __all__ = [
     "Ablation",
@@ -37,7 +37,6 @@ __all__ = [
     "CrossAttentionMaps",
     "HeadEffect",
     "Intervention",
-    "Property",
     "ablate_heads",
     "attention_maps",
     "cross_attention_maps",

@@ -16,8 +16,7 @@ import torch
 
 from gptlab import tasks
 from gptlab.config import TaskConfig
-from gptlab.encoder_decoder import EncodedSource, EncoderDecoder
-from gptlab.generate import greedy_answers
+from gptlab.encoder_decoder import EncodedSource, EncoderDecoder, decode_answers
 from gptlab.inspection.attention_view import check_index, draw_grid
 from gptlab.inspection.hooks import recorded_inputs
 from gptlab.tokenizer import SymbolTokenizer
@@ -51,7 +50,7 @@ def cross_attention_maps(model: EncoderDecoder, vocab: SymbolTokenizer, task: Ta
     heads = check_index(head, model.config.n_head, "--head")
     device = next(model.parameters()).device
     src = tasks.encode_sources(vocab, [source]).to(device)  # (1, S)
-    answer = greedy_answers(model, src, tasks.BOS, tasks.EOS)[0]
+    answer = decode_answers(model, src, tasks.BOS, tasks.EOS)[0]
     encoded = model.encode(src)
     inputs = cross_inputs(model, torch.tensor([[tasks.BOS] + answer], device=device), encoded)
     weights = torch.stack([
