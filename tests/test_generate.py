@@ -266,8 +266,8 @@ def test_top_k_of_one_is_greedy_and_the_same_seed_gives_the_same_samples(random_
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        (dict(temperature=-0.5), "SamplingConfig.temperature=-0.5 must be finite and >= 0"),
-        (dict(temperature=float("inf")), "SamplingConfig.temperature=inf must be finite and >= 0"),
+        (dict(temperature=-0.5), "SamplingConfig.temperature=-0.5 must be >= 0"),
+        (dict(temperature=float("inf")), "SamplingConfig.temperature=inf must be a finite number"),
         (dict(top_k=0), "SamplingConfig.top_k=0 must be at least 1"),
         (dict(top_p=0.0), "SamplingConfig.top_p=0.0 must be in (0, 1]"),
         (dict(top_p=1.5), "SamplingConfig.top_p=1.5 must be in (0, 1]"),
@@ -385,7 +385,7 @@ def test_cli_json_streaming_stop_strings_and_the_naive_loop(run: Path, capsys: p
         (["--top-p", "0"], "SamplingConfig.top_p=0.0 must be in (0, 1]"),
         (["--max-new-tokens", "-3"], "SamplingConfig.max_new_tokens=-3 must not be negative"),
         (["--stop", ""], "stop strings must not be empty"),
-        (["--temperature", "inf"], "SamplingConfig.temperature=inf must be finite"),
+        (["--temperature", "inf"], "SamplingConfig.temperature=inf must be a finite number"),
         (["--num-samples", "0"], "--num-samples=0 must be at least 1"),
         (["--prompt", ""], "the prompt encodes to no tokens"),
         (["--prompt-file", "{tmp}/missing.txt"], "missing.txt"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 import types
@@ -13,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gptlab import tokenizer as tokenizer_module
 from gptlab.tokenizer import (
     DEFAULT_BPE_VOCAB,
     EOT,
@@ -100,6 +103,45 @@ def test_text_pieces_keep_every_encoding(tokenizers: dict[str, Tokenizer]) -> No
         assert sum((tok.encode(p) for p in pieces), []) == tok.encode(text)
 
 
+def test_text_pieces_cut_long_lines_between_words() -> None:
+    # One long line (like text8, or minified code) used to be one piece: one uninterruptible call.
+    words = ["it's", "the", "  two", "\tspaced", "3.14", "naïve", "東京", "😀", EOT, "--", "x\xa0y", "\x1c"]
+    text = " ".join(words[i * 7 % len(words)] for i in range(3000))
+    pieces = list(text_pieces(text, size=50))
+    assert "".join(pieces) == text and len(pieces) > 100
+    assert max(len(p) for p in pieces) < 100
+    assert all(p[0] == " " for p in pieces[1:])  # each cut is before a space...
+    assert all(not p[-1].isspace() for p in pieces[:-1])  # ...that follows a non-space
+    for kind in TRAINABLE:
+        tok = train_tokenizer(kind, text, 400 if kind == "bpe" else None)
+        assert sum((tok.encode(p) for p in pieces), []) == tok.encode(text)
+
+
+def test_bpe_trains_in_a_worker_process_with_the_same_result() -> None:
+    in_process = tokenizer_module._train_bpe_json(CORPUS, 300)
+    assert train_tokenizer("bpe", CORPUS, 300).to_dict()["json"] == in_process
+
+
+def test_bpe_worker_is_killed_when_training_is_interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
+    workers: list[subprocess.Popen] = []
+
+    class InterruptedPopen(subprocess.Popen):
+        def communicate(self, *args: object, **kwargs: object) -> tuple[bytes, bytes]:
+            workers.append(self)
+            raise KeyboardInterrupt  # as Ctrl-C does, while the worker trains
+
+    monkeypatch.setattr(subprocess, "Popen", InterruptedPopen)
+    with pytest.raises(KeyboardInterrupt):
+        train_tokenizer("bpe", CORPUS, 300)
+    assert len(workers) == 1 and workers[0].returncode == -signal.SIGKILL
+
+
+def test_bpe_worker_failure_is_one_line() -> None:
+    with pytest.raises(ValueError, match=r"BPE training failed in its worker process \(.*Error") as raised:
+        tokenizer_module._train_bpe_in_worker(CORPUS, -1)  # the library refuses a negative size
+    assert "\n" not in str(raised.value)
+
+
 def test_decode_refuses_ids_outside_the_vocabulary(tokenizers: dict[str, Tokenizer]) -> None:
     for tok in tokenizers.values():
         with pytest.raises(ValueError, match=f"token id {tok.vocab_size} is outside"):
@@ -115,13 +157,39 @@ def test_train_tokenizer_argument_errors() -> None:
         train_tokenizer("char", CORPUS, vocab_size=500)
     with pytest.raises(ValueError, match="non-empty text"):
         train_tokenizer("char", "")
+    with pytest.raises(ValueError, match="vocab_size=300.5 must be a whole number"):
+        train_tokenizer("bpe", CORPUS, vocab_size=300.5)  # type: ignore[arg-type]
 
 
-def test_tokenizer_from_dict_refuses_damaged_input() -> None:
-    with pytest.raises(ValueError, match="not a saved tokenizer"):
-        tokenizer_from_dict({"kind": "words"})
-    with pytest.raises(ValueError, match="lacks its 'json' string"):
-        tokenizer_from_dict({"kind": "bpe"})
+def test_bpe_vocab_size_has_an_upper_bound() -> None:
+    # Hugging Face's trainer aborted the whole process on vocab_size=10**9 (a 70 GB allocation).
+    for too_large in (10**9, 1_000_001):
+        with pytest.raises(ValueError, match=rf"vocab_size={too_large} is too large: the most is 1,000,000"):
+            tokenizer_module.check_tokenizer_args("bpe", too_large)
+    tokenizer_module.check_tokenizer_args("bpe", tokenizer_module.MAX_BPE_VOCAB)
+    with pytest.raises(ValueError, match="too large"):
+        train_tokenizer("bpe", CORPUS, vocab_size=10**9)
+
+
+@pytest.mark.parametrize(
+    "saved, message",
+    [
+        ({"kind": "words"}, "not a saved tokenizer: kind='words'"),
+        ([1, 2], "not a saved tokenizer: kind=None"),
+        ({"kind": "bpe"}, "lacks its 'json' string"),
+        ({"kind": "bpe", "json": "garbage"}, "saved bpe tokenizer's Hugging Face JSON is damaged"),
+        ({"kind": "bpe", "json": '{"model": 1}'}, "saved bpe tokenizer's Hugging Face JSON is damaged"),
+        ({"kind": "char", "chars": "aab"}, "saved char tokenizer is damaged: .* must be distinct"),
+        ({"kind": "char", "chars": ""}, "saved char tokenizer is damaged"),
+        ({"kind": "symbols", "chars": "ab"}, "lacks its 'specials' list of strings"),
+        ({"kind": "symbols", "specials": [1], "chars": "ab"}, "lacks its 'specials' list of strings"),
+    ],
+)
+def test_tokenizer_from_dict_refuses_damaged_input(saved: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as raised:
+        tokenizer_from_dict(saved)  # type: ignore[arg-type]
+    assert "\n" not in str(raised.value)
+    assert type(raised.value).__name__ == "DamagedTokenizerError"  # what data folders turn into a file name
     assert set(TOKENIZERS) == {"char", "byte", "bpe", "gpt2"}
 
 

@@ -108,7 +108,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(data_dir: Path, tmp_path: 
         save_checkpoint(tmp_path / "run" / LAST, before)
     after = load_checkpoint(tmp_path / "run", prefer=LAST)
     assert after.state == before.state
-    assert sorted(p.name for p in (tmp_path / "run").glob(".*")) == []  # no temporary file left
+    assert sorted(p.name for p in (tmp_path / "run").glob(".*.tmp-*")) == []  # no temporary file left
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -27,7 +27,7 @@ from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.encoder_decoder import EncoderDecoder
 from gptlab.files import atomic_write
 from gptlab.model import GPT
-from gptlab.tokenizer import Tokenizer, tokenizer_from_dict
+from gptlab.tokenizer import DamagedTokenizerError, Tokenizer, tokenizer_from_dict
 
 FORMAT = "gptlab-checkpoint-1"
 LAST, BEST = "last.safetensors", "best.safetensors"
@@ -59,6 +59,15 @@ class Checkpoint:
     state: dict[str, Any] = field(default_factory=dict)  # step, best_val_loss, ... (JSON)
     optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None  # parameter name -> slot -> tensor
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    source: str = "the checkpoint"  # the file it was read from, for error messages
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer saved in the header, or one line naming this file when it is damaged."""
+        try:
+            return tokenizer_from_dict(self.tokenizer)
+        except DamagedTokenizerError as err:
+            raise ValueError(f"{self.source}: its saved tokenizer is damaged ({err}); use another "
+                             "checkpoint of the run") from None
 
     def build_model(self) -> GPT | EncoderDecoder:
         """The model with these weights (tied heads restored from the embedding)."""
@@ -66,12 +75,16 @@ class Checkpoint:
 
     def load_weights(self, model: GPT | EncoderDecoder) -> GPT | EncoderDecoder:
         """Copy these weights into `model`, which must have this checkpoint's architecture; return it."""
-        missing, unexpected = model.load_state_dict(self.model_state, strict=False)
+        try:
+            missing, unexpected = model.load_state_dict(self.model_state, strict=False)
+        except RuntimeError as err:  # a tensor of another shape than the config in the header says
+            mismatch = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), err)
+            raise ValueError(f"{self.source} is damaged: its weights do not fit the model config in its "
+                             f"header ({mismatch}); use another checkpoint of the run") from None
         allowed_missing = ["lm_head.weight"] if self.model_config.tied else []
         if unexpected or sorted(missing) != allowed_missing:
-            raise ValueError(
-                f"checkpoint weights do not fit the model config: missing {missing}, unexpected {unexpected}"
-            )
+            raise ValueError(f"{self.source} is damaged: its weights do not fit the model config in its "
+                             f"header (missing {missing}, unexpected {unexpected}); use another checkpoint")
         return model
 
 
@@ -98,7 +111,12 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
         "state": json.dumps(checkpoint.state),
         "has_optimizer": json.dumps(checkpoint.optimizer_state is not None),
     }
-    atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    try:
+        atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    except (OSError, SafetensorError) as err:  # a full disk, a file-size limit, a folder that went away
+        reason = getattr(err, "strerror", None) or str(err).removeprefix("Error while serializing: ")
+        raise OSError(f"could not write {path} ({reason}); the previous {Path(path).name}, "
+                      "if any, is untouched: free some space, then continue the run with --resume") from err
 
 
 def resolve_checkpoint(path: str | Path, prefer: str = BEST) -> Path:
@@ -133,15 +151,25 @@ def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
             metadata = reader.metadata() or {}
             for key in reader.keys():
                 prefix, _, rest = key.partition(".")
-                groups[prefix][rest] = reader.get_tensor(key)
+                groups.setdefault(prefix, {})[rest] = reader.get_tensor(key)
     except Exception as err:  # safetensors raises its own error types for a damaged file
         raise ValueError(f"{file} is not a readable gptlab checkpoint ({err})") from err
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{file} is not a gptlab checkpoint (format {metadata.get('format')!r})")
-    train_config = json.loads(metadata["train_config"])
     name = metadata.get("architecture", "decoder")  # files from before encoder-decoders name none
     if name not in ARCHITECTURES:
         raise ValueError(f"{file} holds a {name!r} model, which this version of gptlab cannot build")
+    try:
+        return parse_checkpoint(metadata, groups, ARCHITECTURES[name][0], str(file))
+    except (KeyError, TypeError, ValueError) as err:  # a header that was edited or damaged
+        raise ValueError(f"{file} has a damaged header ({str(err).splitlines()[0]}): use another checkpoint "
+                         "of the run") from None
+
+
+def parse_checkpoint(metadata: dict[str, str], groups: dict[str, dict[str, torch.Tensor]],
+                     config_class: type[ModelConfig], source: str) -> Checkpoint:
+    """A Checkpoint from a file's JSON header and its tensors grouped by prefix."""
+    train_config = json.loads(metadata["train_config"])
     optimizer: dict[str, dict[str, torch.Tensor]] | None = None
     if json.loads(metadata["has_optimizer"]):
         optimizer = {}
@@ -149,13 +177,14 @@ def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
             param, _, slot = key.rpartition("/")
             optimizer.setdefault(param, {})[slot] = tensor
     return Checkpoint(
-        model_config=ARCHITECTURES[name][0].from_dict(json.loads(metadata["model_config"])),
+        model_config=config_class.from_dict(json.loads(metadata["model_config"])),
         tokenizer=json.loads(metadata["tokenizer"]),
         model_state=groups["model"],
         train_config=TrainConfig.from_dict(train_config) if train_config else None,
         state=json.loads(metadata["state"]),
         optimizer_state=optimizer,
         rng=groups["rng"],
+        source=source,
     )
 
 
@@ -177,7 +206,7 @@ def load_run(
     `expect` names the architecture the caller can use; another one is a ValueError saying what to run.
     """
     checkpoint = load_checkpoint(path, prefer)
-    return inference_model(checkpoint, path, device, expect), tokenizer_from_dict(checkpoint.tokenizer)
+    return inference_model(checkpoint, path, device, expect), checkpoint.load_tokenizer()
 
 
 def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = "cpu",
@@ -195,4 +224,27 @@ def load_seq2seq(path: str | Path, device: torch.device | str = "cpu",
     """The encoder-decoder (eval mode, on `device`), its vocabulary and its task, from a seq2seq run."""
     checkpoint = load_checkpoint(path)
     model = inference_model(checkpoint, path, device, expect="encoder-decoder")
-    return model, tokenizer_from_dict(checkpoint.tokenizer), TaskConfig.from_dict(checkpoint.state["task"])
+    return model, checkpoint.load_tokenizer(), TaskConfig.from_dict(checkpoint.state["task"])
+
+
+def data_folder(run_dir: Path, state: dict[str, Any]) -> Path:
+    """The prepared folder a text run was trained on: stored relative to the run folder when inside it,
+    so a run moved or renamed with its data still finds it; a clear error when it cannot be found."""
+    if "data_dir" not in state:
+        raise ValueError(f"{run_dir} was not trained by gptlab on text, so it has no train or val split: "
+                         "evaluate it on a text with --data FILE")
+    folder = run_dir / state["data_dir"]  # an absolute path stays as it is
+    if not (folder / "meta.json").is_file():
+        raise ValueError(f"{run_dir} was trained on the prepared data in {folder}, which is not there: if "
+                         "the run or its data was moved, point it at the data with --data FOLDER (gptlab "
+                         "train --resume --out RUN --data FOLDER, or gptlab eval RUN --data FOLDER)")
+    return folder
+
+
+def portable(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """`state` with its data folder stored relative to the run folder where it lies inside it."""
+    if "data_dir" not in state:
+        return state
+    folder = Path(state["data_dir"]).resolve()
+    inside = folder.is_relative_to(run_dir.resolve())
+    return {**state, "data_dir": str(folder.relative_to(run_dir.resolve()) if inside else folder)}

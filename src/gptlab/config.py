@@ -70,6 +70,8 @@ def _coerce(owner: str, name: str, value: Any, kind: Any) -> Any:
         raise ValueError(f"{owner}.{name}={value!r} must be a list of strings")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{owner}.{name}={value} must be a finite number")
     # bool is a subclass of int in Python: `n_layer=True` must still be refused.
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if not ok:
@@ -189,10 +191,12 @@ class TrainConfig(Config):
 
     batch_size: int = option(12, "sequences per micro-batch")
     grad_accum: int = option(1, "micro-batches summed into one optimiser step")
-    max_steps: int = option(2000, "optimiser steps")
+    max_steps: int = option(2000, "optimiser steps (with --resume: a larger value extends a run)")
     lr: float = option(1e-3, "peak learning rate (AdamW)")
     min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
     warmup_steps: int = option(100, "steps of linear warm-up from 0 to lr")
+    decay_steps: int | None = option(None, "the cosine reaches min_lr at this step and stays there "
+                                     "(default: max_steps; extending a run keeps its first max_steps)")
     weight_decay: float = option(0.1, "AdamW weight decay, on matrices only (not biases, norms)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.99, "AdamW beta2")
@@ -203,6 +207,8 @@ class TrainConfig(Config):
     precision: str = option("auto", "matmul precision: auto picks bfloat16 where it is faster", PRECISIONS)
     compile: bool = option(False, "wrap the model in torch.compile")
     device: str = option("auto", "cpu, cuda, cuda:N, mps, or auto")
+    save_every: float = option(60.0, "also save last.safetensors after this many seconds of training since "
+                               "the last save, so a kill loses at most that much (0: at evaluations only)")
     parallel: str = option("ddp", "under torchrun: ddp replicates the model, fsdp shards weights, "
                            "gradients and optimiser state", PARALLEL)
 
@@ -219,7 +225,9 @@ class TrainConfig(Config):
         )
         check_choice(owner, "precision", self.precision, PRECISIONS)
         check_choice(owner, "parallel", self.parallel, PARALLEL)
-        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip"):
+        if self.decay_steps is not None:
+            check_positive(owner, decay_steps=self.decay_steps)
+        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "save_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{owner}.{name}={getattr(self, name)} must not be negative")
         if self.min_lr > self.lr:
@@ -289,8 +297,8 @@ class SamplingConfig(Config):
 
     def validate(self) -> None:
         owner = "SamplingConfig"
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"{owner}.temperature={self.temperature} must be finite and >= 0 (0: greedy)")
+        if self.temperature < 0:
+            raise ValueError(f"{owner}.temperature={self.temperature} must be >= 0 (0 means greedy)")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"{owner}.top_k={self.top_k} must be at least 1 (or None: every token)")
         if not 0 < self.top_p <= 1:

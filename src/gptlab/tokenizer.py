@@ -14,12 +14,18 @@ Deliberate choices:
   kinds replace incomplete bytes with U+FFFD.
 - The end-of-text token "<|endoftext|>" written literally in a text is encoded as the eot id, as
   tiktoken does when the special token is allowed, so documents can be separated in a corpus file.
+- BPE training runs in a child process (see `_train_bpe_in_worker`), so that Ctrl-C stops it at once;
+  everything else runs here, in calls short enough (one piece of text each) to stop between.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 import re
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,14 +35,26 @@ TOKENIZERS = ("char", "byte", "bpe", "gpt2")
 EOT = "<|endoftext|>"
 DEFAULT_BPE_VOCAB = 4096
 MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-text token
+# Hugging Face's trainer reserves about 70 bytes per requested token before it looks at the text, and a
+# failed allocation aborts the whole process (vocab_size=10**9 asks for 70 GB). The largest vocabularies
+# in use are about 256k (Gemma; GPT-2 has 50k), so a million leaves room and costs at most ~70 MB.
+MAX_BPE_VOCAB = 1_000_000
 PIECE_CHARS = 1 << 16  # texts are encoded in pieces of about this many characters
 
 # GPT-2's split pattern (used by bpe and gpt2) ends every word, number or punctuation run before a
 # line break, and a whitespace run that starts with a line break takes nothing from before it; so
 # cutting a text just before a line break that follows a non-space leaves every encoding unchanged.
 # (Cutting *after* a line break would not: "\n\nDIANA" splits as "\n", "\n", "DIANA", but a piece
-# ending in "\n\n" keeps the run whole.)
+# ending in "\n\n" keeps the run whole.) The same holds for a space after a non-space: every alternative
+# of the pattern that takes a non-space character stops before a space, and none looks behind, so both
+# sides of such a cut split as they do in the whole text. Lines longer than a piece (text8, minified
+# code) are cut there, so that no single call into a tokenizer runs for long (Ctrl-C waits for it).
 _SAFE_CUT = re.compile(r"(?<=\S)\n")
+_LONG_LINE_CUT = re.compile(r"(?<=\S)[\n ]")
+
+
+class DamagedTokenizerError(ValueError):
+    """A saved tokenizer (a dict from to_dict, as JSON in a file) that cannot be one: damaged or foreign."""
 
 
 class Tokenizer(abc.ABC):
@@ -153,28 +171,19 @@ class BPETokenizer(Tokenizer):
     def __init__(self, hf_json: str) -> None:
         from tokenizers import Tokenizer as HFTokenizer
 
-        self._hf = HFTokenizer.from_str(hf_json)
+        try:
+            self._hf = HFTokenizer.from_str(hf_json)
+        except Exception as exc:  # tokenizers raises a bare Exception for JSON it cannot read
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise DamagedTokenizerError(
+                f"saved bpe tokenizer's Hugging Face JSON is damaged ({reason})"
+            ) from exc
         self.vocab_size = self._hf.get_vocab_size()
         self.eot_id = self._hf.token_to_id(EOT)
 
     @classmethod
     def train(cls, text: str, vocab_size: int) -> BPETokenizer:
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
-
-        hf = HFTokenizer(models.BPE())
-        # No prefix space and no post-processor, so decode(encode(s)) gives back s exactly.
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        hf.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            min_frequency=2,  # a pair seen once is not worth a token
-            special_tokens=[EOT],
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
-            show_progress=False,  # library code does not print
-        )
-        hf.train_from_iterator(text_pieces(text), trainer=trainer)
-        return cls(hf.to_str())
+        return cls(_train_bpe_in_worker(text, vocab_size))
 
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False).ids
@@ -234,6 +243,72 @@ class SymbolTokenizer(Tokenizer):
         return {"kind": self.kind, "specials": self.specials, "chars": self.chars}
 
 
+def _train_bpe_json(text: str, vocab_size: int) -> str:
+    """Hugging Face's JSON of a byte-level BPE with merges learnt from `text` (run by the worker)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE())
+    # No prefix space and no post-processor, so decode(encode(s)) gives back s exactly.
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,  # a pair seen once is not worth a token
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
+        show_progress=False,  # library code does not print
+    )
+    hf.train_from_iterator(text_pieces(text), trainer=trainer)
+    return hf.to_str()
+
+
+# The worker runs this file by its path rather than importing gptlab.tokenizer, whose package imports
+# torch (a second or more per training); this file itself needs only numpy and tokenizers. It gets
+# this process's import path, so it finds the same packages.
+_WORKER = (
+    "import json, runpy, sys; sys.path[:] = json.loads(sys.argv[2]); "
+    "runpy.run_path(sys.argv[1])['_bpe_worker']()"
+)
+
+
+def _train_bpe_in_worker(text: str, vocab_size: int) -> str:
+    """_train_bpe_json(text, vocab_size), run in a child process that is killed if this call is interrupted.
+
+    Hugging Face's trainer is one call into Rust that never returns to Python until it is done: in this
+    process Ctrl-C would wait for the whole training (measured: up to its full length), and a worker
+    thread could not be stopped, so it would train on in the background. A process can be killed, and
+    a crash of the library (an abort on a failed allocation) ends only the worker. Costs ~0.15 s.
+    """
+    command = [sys.executable, "-c", _WORKER, __file__, json.dumps(sys.path), str(vocab_size)]
+    with subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as worker:
+        try:
+            out, err = worker.communicate(text.encode("utf-8", "surrogatepass"))
+        except BaseException:  # Ctrl-C (or SIGTERM, or any error here): stop the training now
+            worker.kill()
+            worker.wait()
+            raise
+    if worker.returncode == -signal.SIGINT:  # Ctrl-C reached the worker first; ours is on its way
+        raise KeyboardInterrupt
+    if worker.returncode != 0:
+        lines = err.decode("utf-8", "replace").strip().splitlines()
+        if worker.returncode < 0:  # the kernel's out-of-memory killer sends SIGKILL
+            lines.append(f"killed by {signal.Signals(-worker.returncode).name}, perhaps out of memory")
+        raise ValueError(f"BPE training failed in its worker process ({(lines or ['no message'])[-1]}): "
+                         "try a smaller --vocab-size or less text")
+    return out.decode("utf-8")
+
+
+def _bpe_worker() -> None:
+    """The worker's main: the text on stdin, vocab_size as the last argument, the JSON on stdout."""
+    # Ctrl-C at a terminal reaches this process too: end at once instead of after the training.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    text = sys.stdin.buffer.read().decode("utf-8", "surrogatepass")
+    sys.stdout.buffer.write(_train_bpe_json(text, int(sys.argv[-1])).encode("utf-8"))
+
+
 def load_gpt2_encoding() -> Any:
     """tiktoken's "gpt2" encoding, or a ValueError that says what is missing and how to get it."""
     try:
@@ -256,14 +331,18 @@ def load_gpt2_encoding() -> Any:
 
 
 def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
-    """Consecutive pieces of about `size` characters, cut only before a line break that ends a line.
+    """Consecutive pieces of about `size` characters, cut only before a line break that ends a line
+    (or, in a line longer than `size`, before a space that ends a word).
 
     Encoding the pieces one by one gives the same ids as encoding the whole text for every kind
-    (see _SAFE_CUT), and lets callers show progress and train BPE in parallel.
+    (see _SAFE_CUT), and lets callers show progress, stop between pieces and train BPE in parallel.
     """
     start = 0
     while start < len(text):
-        cut = _SAFE_CUT.search(text, start + size) if start + size < len(text) else None
+        cut = None
+        if start + size < len(text):
+            cut = _SAFE_CUT.search(text, start + size, start + 2 * size)  # a line break, within reach
+            cut = cut or _LONG_LINE_CUT.search(text, start + size)  # else the first break or space
         end = cut.start() if cut else len(text)
         yield text[start:end]
         start = end
@@ -275,6 +354,8 @@ def check_tokenizer_args(kind: str, vocab_size: int | None) -> None:
         raise ValueError(f"unknown tokenizer {kind!r}: choose one of {', '.join(TOKENIZERS)}")
     if vocab_size is None:
         return
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        raise ValueError(f"vocab_size={vocab_size!r} must be a whole number: for example {DEFAULT_BPE_VOCAB}")
     if kind != "bpe":
         raise ValueError(
             f"vocab_size={vocab_size} applies only to the bpe tokenizer; the {kind} tokenizer's "
@@ -284,6 +365,11 @@ def check_tokenizer_args(kind: str, vocab_size: int | None) -> None:
         raise ValueError(
             f"bpe vocab_size={vocab_size} is too small: it needs at least {MIN_BPE_VOCAB} "
             "(256 bytes and the end-of-text token)"
+        )
+    if vocab_size > MAX_BPE_VOCAB:
+        raise ValueError(
+            f"bpe vocab_size={vocab_size} is too large: the most is {MAX_BPE_VOCAB:,} (GPT-2 uses 50,257); "
+            f"for example {DEFAULT_BPE_VOCAB}"
         )
 
 
@@ -298,18 +384,31 @@ def train_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Toke
 
 
 def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
-    """Rebuild the tokenizer that `Tokenizer.to_dict()` described (for example from a checkpoint)."""
+    """Rebuild the tokenizer that `Tokenizer.to_dict()` described (for example from a checkpoint).
+
+    Anything else (a damaged file, another program's JSON) is a DamagedTokenizerError, which callers
+    that know the file name should turn into a message naming it. A gpt2 tokenizer needs tiktoken and
+    GPT-2's files; without them it is a plain ValueError that says how to get them.
+    """
     kind = d.get("kind") if isinstance(d, dict) else None
     if kind not in (*TOKENIZERS, SymbolTokenizer.kind):
         known = ", ".join((*TOKENIZERS, SymbolTokenizer.kind))
-        raise ValueError(f"not a saved tokenizer: kind={kind!r} is not one of {known}")
-    if kind == SymbolTokenizer.kind:
-        return SymbolTokenizer(d["specials"], d["chars"])
-    field = {"char": "chars", "bpe": "json"}.get(kind)
-    if field is not None and not isinstance(d.get(field), str):
-        raise ValueError(f"saved {kind} tokenizer lacks its {field!r} string: the tokenizer file is damaged")
-    if kind == "char":
-        return CharTokenizer(d["chars"])
+        raise DamagedTokenizerError(f"not a saved tokenizer: kind={kind!r} is not one of {known}")
+    fields = {"char": {"chars": str}, "bpe": {"json": str}, "symbols": {"specials": list, "chars": str}}
+    for field, field_type in fields.get(kind, {}).items():
+        value = d.get(field)
+        if not isinstance(value, field_type) or not all(isinstance(s, str) for s in value):
+            what = "list of strings" if field_type is list else "string"
+            raise DamagedTokenizerError(
+                f"saved {kind} tokenizer lacks its {field!r} {what}: the tokenizer file is damaged"
+            )
+    try:
+        if kind == SymbolTokenizer.kind:
+            return SymbolTokenizer(d["specials"], d["chars"])
+        if kind == "char":
+            return CharTokenizer(d["chars"])
+    except ValueError as exc:  # characters repeated, none at all, ...
+        raise DamagedTokenizerError(f"saved {kind} tokenizer is damaged: {exc}") from exc
     if kind == "bpe":
         return BPETokenizer(d["json"])
     return ByteTokenizer() if kind == "byte" else GPT2Tokenizer()

@@ -17,12 +17,15 @@ run computes what one process with the whole batch would, and only rank 0 logs a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import shutil
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -37,18 +40,20 @@ from gptlab.checkpoint import (
     LAST,
     Checkpoint,
     architecture,
+    data_folder,
     load_checkpoint,
     new_model,
+    portable,
     require_architecture,
     save_checkpoint,
 )
 from gptlab.common import autocast, resolve_precision, seed_everything
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.data import TokenData, prepare
-from gptlab.files import atomic_write_text
+from gptlab.files import RunLock, atomic_write_text, remove_stale_temporaries
 from gptlab.metrics import MetricsLog, plot_losses
 from gptlab.tasks import TaskData
-from gptlab.tokenizer import Tokenizer, tokenizer_from_dict
+from gptlab.tokenizer import Tokenizer
 
 log = logging.getLogger("gptlab.train")
 
@@ -72,9 +77,10 @@ class TrainingData(Protocol):
                 device: torch.device) -> dict[str, float | str]: ...
 
 
-def data_from_state(state: dict[str, Any]) -> TrainingData:
-    """The data source a checkpoint was trained on."""
-    return TaskData(TaskConfig.from_dict(state["task"])) if "task" in state else TokenData(state["data_dir"])
+def data_from_state(state: dict[str, Any], run_dir: Path) -> TrainingData:
+    """The data source a checkpoint in `run_dir` was trained on."""
+    return TaskData(TaskConfig.from_dict(state["task"])) if "task" in state else TokenData(
+        data_folder(run_dir, state))
 
 
 class TrainingDiverged(ValueError):
@@ -92,13 +98,20 @@ class TrainResult:
     elapsed_s: float
     tokens_per_s: float
     interrupted: bool
+    signal: int | None = None  # the signal that interrupted the run (SIGINT, SIGTERM), if one did
+
+    @property
+    def exit_status(self) -> int:
+        """What the command exits with: 0 when finished, else 128 + the signal (130 Ctrl-C, 143 SIGTERM)."""
+        return 128 + (self.signal or signal.SIGINT) if self.interrupted else 0
 
 
 def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `max_steps`."""
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `decay_steps` (default max_steps)."""
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.max_steps - config.warmup_steps))
+    end = config.decay_steps or config.max_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, end - config.warmup_steps))
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - config.min_lr)
 
 
@@ -141,12 +154,13 @@ class StopOnInterrupt:
 
     def __init__(self) -> None:
         self.requested = False
+        self.signal: int | None = None  # the first signal received
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.signal = True, signum
 
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():
@@ -190,6 +204,7 @@ class Trainer:
         self.batches = torch.Generator().manual_seed(train_config.seed)  # the data sampler's state
         self.step, self.best_val, self.last_val = 0, math.inf, math.nan
         self.train_time, self.tokens_seen = 0.0, 0
+        self.last_saved = time.perf_counter()  # when `last` was last written, for `save_every`
         if checkpoint is not None:
             self._restore(checkpoint)
         if dist.rank:  # other ranks draw their own dropout masks
@@ -221,15 +236,17 @@ class Trainer:
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"step": self.step, "best_val_loss": self.best_val, "last_val_loss": self.last_val,
-                 "train_time_s": self.train_time, "tokens_seen": self.tokens_seen, **self.data.state()}
+                 "train_time_s": self.train_time, "tokens_seen": self.tokens_seen,
+                 **portable(self.data.state(), self.run_dir)}
         weights = distributed.full_model_state(self.model)
         if self.config.tied:  # stored once, as the embedding
             del weights["lm_head.weight"]
         return Checkpoint(self.config, self.data.tokenizer.to_dict(), weights, self.train_config, state,
                           distributed.full_optimizer_state(self.model, self.optimizer), rng)
 
-    def train_step(self, stop_requested: bool) -> tuple[float, bool]:
-        """One optimiser step over `grad_accum` micro-batches: the mean loss, and whether to stop now."""
+    def train_step(self, stop_requested: bool, save_due: bool) -> tuple[float, bool, bool]:
+        """One optimiser step over `grad_accum` micro-batches: the mean loss, whether to stop now and
+        whether to save now (decided together on every rank, so that collective saves stay in step)."""
         cfg = self.train_config
         lr = learning_rate(self.step, cfg)
         for group in self.optimizer.param_groups:
@@ -250,8 +267,9 @@ class Trainer:
                     _, loss = self.forward_model(*batch)
                 (loss * (share * self.dist.world_size)).backward()
             total += loss.item() * share
-        # One small all-reduce: every rank sees the same mean loss and the same decision to stop.
-        total, stops = distributed.all_reduce_sum([total, float(stop_requested)], self.device)
+        # One small all-reduce: every rank sees the same mean loss and the same decisions.
+        total, stops, saves = distributed.all_reduce_sum([total, float(stop_requested), float(save_due)],
+                                                         self.device)
         if not math.isfinite(total):
             raise TrainingDiverged(
                 f"the training loss became {total} at step {self.step}; stopped without saving, so "
@@ -262,7 +280,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, stops > 0
+        return total, stops > 0, saves > 0
 
     def evaluate_and_save(self) -> None:
         """Evaluate, append a metrics row, redraw the plot, and save `last` (and `best` if improved)."""
@@ -272,6 +290,7 @@ class Trainer:
         improved = losses["val"] < self.best_val
         self.best_val = min(self.best_val, losses["val"])
         checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
+        self.last_saved = time.perf_counter()
         if self.metrics is None:
             return
         self.model.eval()
@@ -292,6 +311,18 @@ class Trainer:
         save_checkpoint(self.run_dir / LAST, checkpoint)
         plot_losses(self.run_dir / "metrics.csv", self.run_dir / "loss.png", title=self.run_dir.name)
 
+    def save_last(self) -> None:
+        """Save `last` without evaluating: when interrupted, and every `save_every` seconds of training."""
+        checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
+        if self.dist.is_main:
+            save_checkpoint(self.run_dir / LAST, checkpoint)
+        self.last_saved = time.perf_counter()
+
+    def save_due(self) -> bool:
+        """Whether `save_every` seconds have passed since the last save (rank 0's clock decides)."""
+        every = self.train_config.save_every
+        return self.dist.is_main and every > 0 and time.perf_counter() - self.last_saved >= every
+
     def tokens_per_s(self) -> float:
         return self.tokens_seen / self.train_time if self.train_time else 0.0
 
@@ -306,20 +337,20 @@ class Trainer:
                 self.evaluate_and_save()  # the untrained baseline, so the curve starts at step 0
             while self.step < end and not stopping:
                 started = time.perf_counter()
-                loss, stopping = self.train_step(stop.requested)
+                loss, stopping, save_now = self.train_step(stop.requested, self.save_due())
                 self.train_time += time.perf_counter() - started
                 self.step += 1
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
                 if self.step % self.train_config.eval_interval == 0 or self.step == end:
                     self.evaluate_and_save()
+                elif save_now and not stopping:
+                    self.save_last()
             if stopping:
                 log.info(f"interrupted: saving step {self.step} to {self.run_dir / LAST}")
-                checkpoint = self.checkpoint()
-                if self.dist.is_main:
-                    save_checkpoint(self.run_dir / LAST, checkpoint)
+                self.save_last()
         return TrainResult(self.run_dir, self.step, self.best_val, self.last_val, self.train_time,
-                           self.tokens_per_s(), stopping)
+                           self.tokens_per_s(), stopping, stop.signal if stopping else None)
 
 
 def train(run_dir: str | Path, data: str | Path, model_config: ModelConfig, train_config: TrainConfig, *,
@@ -333,14 +364,13 @@ def train(run_dir: str | Path, data: str | Path, model_config: ModelConfig, trai
     fine-tuning. Under torchrun every process calls this; rank 0 prepares the data and writes files.
     """
     run_dir = Path(run_dir)
-    check_new_run(run_dir)
     start = load_checkpoint(init_from) if init_from is not None else None
     if start is not None:
         require_architecture(architecture(start.model_config), init_from, "decoder")
         model_config = start.model_config
-    with distributed.session(train_config.device) as (dist, device):
+    with run_folder(run_dir, new=True), distributed.session(train_config.device) as (dist, device):
         if not (Path(data) / "meta.json").is_file():
-            text_tokenizer = tokenizer_from_dict(start.tokenizer) if start else tokenizer
+            text_tokenizer = start.load_tokenizer() if start else tokenizer
             data = prepare_for_run(data, run_dir, text_tokenizer, vocab_size, dist.is_main, progress)
         token_data = TokenData(data)
         if start is not None and token_data.tokenizer.to_dict() != start.tokenizer:
@@ -367,20 +397,59 @@ def train_seq2seq(run_dir: str | Path, task_config: TaskConfig, model_config: Se
                   progress: bool = True) -> TrainResult:
     """Start a new encoder-decoder run in `run_dir` on a built-in task; the vocabulary is the task's."""
     run_dir = Path(run_dir)
-    check_new_run(run_dir)
     if train_config.parallel == "fsdp":
         raise ValueError("--parallel fsdp is not offered for seq2seq runs (exact-match decoding needs the "
                          "whole model on each process): use --parallel ddp")
     data = TaskData(task_config)
     model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size, pad_id=0)
-    with distributed.session(train_config.device) as (dist, device):
+    with run_folder(run_dir, new=True), distributed.session(train_config.device) as (dist, device):
         return start_run(run_dir, data, model_config, train_config, dist, device, stop_at, progress)
 
 
+@contextlib.contextmanager
+def run_folder(run_dir: Path, new: bool) -> Iterator[None]:
+    """Hold the run folder's lock for the whole run (the main process writes every file).
+
+    Under the lock: a new run refuses a folder holding a run or other files, temporary files that a
+    killed save left are removed, and a new run that fails before its first checkpoint takes its
+    folder away again, so nothing half-written is left.
+    """
+    if not distributed.this_process().is_main:
+        yield
+        return
+    created = not run_dir.exists()
+    with RunLock(run_dir):
+        if new:
+            check_new_run(run_dir)
+        remove_stale_temporaries(run_dir)
+        try:
+            yield
+        except BaseException:
+            if created and not (run_dir / LAST).exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+
+
 def check_new_run(run_dir: Path) -> None:
-    """Refuse to start a run in a folder that already holds one."""
+    """Refuse to start a run in a folder that holds one, or that holds files and is not a gptlab run."""
     if (run_dir / LAST).exists():
         raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
+    if is_run_folder(run_dir):
+        return  # a run that was stopped before its first checkpoint: start it again
+    if run_dir.is_dir() and any(p.name != RunLock.NAME for p in run_dir.iterdir()):
+        raise ValueError(f"{run_dir} is not empty and is not a gptlab run folder: choose a new or empty "
+                         "--out (nothing in it was changed)")
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` holds a gptlab run: a checkpoint, or the config.json a run writes first."""
+    if (path / LAST).exists() or (path / BEST).exists():
+        return True
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and {"model", "train"} <= set(config)
 
 
 def start_run(run_dir: Path, data: TrainingData, model_config: ModelConfig, train_config: TrainConfig,
@@ -398,25 +467,82 @@ def start_run(run_dir: Path, data: TrainingData, model_config: ModelConfig, trai
 def write_run_config(run_dir: Path, model_config: ModelConfig, train_config: TrainConfig,
                      data: TrainingData) -> None:
     """The resolved settings as readable JSON beside the checkpoints."""
-    resolved = {"model": model_config.to_dict(), "train": train_config.to_dict(), **data.state()}
+    resolved = {"model": model_config.to_dict(), "train": train_config.to_dict(),
+                **portable(data.state(), run_dir)}
     atomic_write_text(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
 
 
+# What `resume` may change: how long the run goes on and where it runs, never what it computes.
+RESUMABLE = ("max_steps", "save_every", "device", "compile")
+
+
 def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,
-           expect: str | None = None) -> TrainResult:
+           expect: str | None = None, changes: dict[str, Any] | None = None,
+           data: str | Path | None = None) -> TrainResult:
     """Continue the run in `run_dir` exactly where its last checkpoint left off.
 
-    `expect` ("decoder" or "encoder-decoder") refuses a run of the other architecture with a pointer.
+    `changes` may set the RESUMABLE training fields: a larger `max_steps` extends the run, keeping the
+    learning-rate schedule of its first max_steps and holding min_lr after it. `data` points a moved
+    run at its prepared folder (the same tokenizer). `expect` ("decoder" or "encoder-decoder") refuses
+    a run of the other architecture with a pointer to the right commands.
     """
     run_dir = Path(run_dir)
-    checkpoint = load_checkpoint(run_dir, prefer=LAST)
-    if expect is not None:
-        require_architecture(architecture(checkpoint.model_config), run_dir, expect)
+    with run_folder(run_dir, new=False):
+        checkpoint = load_checkpoint(run_dir, prefer=LAST)
+        if expect is not None:
+            require_architecture(architecture(checkpoint.model_config), run_dir, expect)
+        check_resumable(checkpoint, run_dir)
+        train_config = extended(checkpoint, changes or {})
+        if data is None:
+            source = data_from_state(checkpoint.state, run_dir)
+        else:
+            source = TokenData(data)
+            if source.tokenizer.to_dict() != checkpoint.tokenizer:
+                raise ValueError(f"{data} was prepared with another tokenizer than the run's: give --data "
+                                 "the prepared folder the run was trained on")
+        if train_config != checkpoint.train_config or data is not None:
+            checkpoint.train_config = train_config
+            if distributed.this_process().is_main:
+                write_run_config(run_dir, checkpoint.model_config, train_config, source)
+        with distributed.session(train_config.device) as (dist, device):
+            trainer = Trainer(run_dir, source, checkpoint.model_config, train_config, dist, device,
+                              checkpoint, progress)
+            return trainer.run(stop_at)
+
+
+def check_resumable(checkpoint: Checkpoint, run_dir: Path) -> None:
+    """Refuse a checkpoint that holds no training state, or weights gptlab did not train in float32."""
     if checkpoint.train_config is None or checkpoint.optimizer_state is None:
         raise ValueError(f"{run_dir} holds weights but no training state (an imported model?): "
                          "there is nothing to resume; start a new run instead")
-    data = data_from_state(checkpoint.state)
-    with distributed.session(checkpoint.train_config.device) as (dist, device):
-        trainer = Trainer(run_dir, data, checkpoint.model_config, checkpoint.train_config, dist, device,
-                          checkpoint, progress)
-        return trainer.run(stop_at)
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in checkpoint.model_state.values()}
+    if dtypes != {"float32"}:
+        raise ValueError(f"{checkpoint.source} holds {', '.join(sorted(dtypes))} weights, but a run resumes "
+                         "only from the float32 checkpoints gptlab's training writes: start a new run from "
+                         f"these weights with --init-from {checkpoint.source}")
+
+
+def flag(field: str) -> str:
+    """The command-line option of a config field: max_steps -> --max-steps."""
+    return "--" + field.replace("_", "-")
+
+
+def refuse_changes(flags: list[str]) -> None:
+    """A resumed run continues as it was saved: refuse, by name, every option that would change it."""
+    if flags:
+        raise ValueError(f"--resume continues the run as it was saved: {', '.join(flags)} would change it "
+                         f"(only {', '.join(map(flag, RESUMABLE))} may be given); start a new run, or "
+                         "fine-tune from this one with --init-from")
+
+
+def extended(checkpoint: Checkpoint, changes: dict[str, Any]) -> TrainConfig:
+    """The run's training config with the RESUMABLE `changes`; anything else is refused, by name."""
+    assert checkpoint.train_config is not None, "check_resumable first"
+    refuse_changes([flag(name) for name in sorted(set(changes) - set(RESUMABLE))])
+    old, step = checkpoint.train_config, checkpoint.state["step"]
+    max_steps = changes.get("max_steps", old.max_steps)
+    if "max_steps" in changes and max_steps <= step:
+        raise ValueError(f"the run is at step {step}: --max-steps must be larger than that to extend it")
+    if max_steps != old.max_steps:  # the first run's schedule stays; min_lr holds after it
+        changes = {**changes, "decay_steps": old.decay_steps or old.max_steps}
+    return old.replace(**changes)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from types import FrameType
 
 from gptlab.cli.common import TqdmHandler
 from gptlab.cli.hf import add_hf_commands
@@ -35,16 +38,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every clean-up runs on the way out; the command exits 143."""
+
+
+def terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `gptlab` console command."""
+    """Entry point of the `gptlab` console command: 0 done, 2 a user mistake, 130 Ctrl-C, 143 SIGTERM."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[TqdmHandler()], force=True)
     func: Callable[[argparse.Namespace], int] = args.func
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminate) if in_main_thread else None
     try:
         return func(args)
     except (ValueError, OSError) as err:
         print(f"gptlab: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except Terminated:
+        print("gptlab: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("gptlab: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

@@ -79,7 +79,10 @@ def report_run(result: Any, out: Path) -> None:
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """--resume and --stop-at, shared by the training commands."""
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from last.safetensors")
+                        help="continue the run in --out from last.safetensors, exactly as it was saved. Only "
+                        "--max-steps, --save-every, --device, --compile (and --data for a moved run) may be "
+                        "given: a larger --max-steps extends a finished run, keeping the learning-rate "
+                        "schedule of its first max_steps and holding min_lr after it")
     parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop (and save) at this step, keeping "
                         "the schedule of the full run; resume later with --resume")
 

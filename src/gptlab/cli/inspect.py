@@ -63,6 +63,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from gptlab.inspection.interventions import ablate_heads, save_ablation_png
     from gptlab.inspection.tokens import encode_token, token_label
 
+    if Path(args.out).suffix.lower() != ".png":
+        raise ValueError(f"--out {args.out} must end in .png: the heatmap is written as a PNG picture")
     model, tokenizer, ids = load_prompt(args)
     target = None if args.target is None else encode_token(tokenizer, args.target, "--target")
     result = ablate_heads(model, ids, target)

@@ -44,12 +44,15 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     from gptlab import distributed, tasks
     from gptlab.checkpoint import load_seq2seq
     from gptlab.tasks import resolve_seq2seq_configs
-    from gptlab.train import resume, train_seq2seq
+    from gptlab.train import flag, refuse_changes, resume, train_seq2seq
 
     out = Path(args.out or f"runs/seq2seq-{args.task}")
     is_main = distributed.this_process().is_main
     if args.resume:
-        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="encoder-decoder")
+        refuse_changes([flag(name) for name in (*config_overrides(args, TaskConfig),
+                                                *config_overrides(args, Seq2SeqConfig))])
+        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="encoder-decoder",
+                        changes=config_overrides(args, TrainConfig))
     else:
         task, model, train = resolve_seq2seq_configs(
             args.task, config_overrides(args, TaskConfig), config_overrides(args, Seq2SeqConfig),
@@ -58,11 +61,10 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
             print_configs({"task": task, "model": model, "train": train},
                           hidden=("vocab_size", "pad_id", "causal"))
         result = train_seq2seq(out, task, model, train, stop_at=args.stop_at, progress=not args.no_progress)
-    if not is_main:
-        return 130 if result.interrupted else 0
-    report_run(result, out)
-    if result.interrupted:
-        return 130
+    if is_main:
+        report_run(result, out)
+    if not is_main or result.interrupted:
+        return result.exit_status
     model, vocab, task = load_seq2seq(out)
     import torch
 

@@ -60,8 +60,9 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenize a corpus or text into train.bin / val.bin beside its tokenizer."""
     from gptlab.data import prepare
 
-    meta = prepare(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.tokenizer_vocab_size,
-                   val_fraction=args.val_fraction, progress=not args.no_progress)
+    meta = prepare(args.source, args.out, tokenizer=args.tokenizer or "char",
+                   vocab_size=args.tokenizer_vocab_size, val_fraction=args.val_fraction,
+                   progress=not args.no_progress)
     tokens = meta["tokens"]
     print(f"wrote {args.out}: {tokens['train']:,} train and {tokens['val']:,} validation tokens, "
           f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids")
@@ -81,7 +82,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     is_main = distributed.this_process().is_main
     if args.resume:
-        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder")
+        refuse_on_resume(args)
+        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder",
+                        changes=config_overrides(args, TrainConfig), data=args.data)
     else:
         model_overrides = config_overrides(args, ModelConfig)
         if args.init_from and model_overrides:
@@ -92,18 +95,30 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
         if is_main:
             print_configs({"model": model_config, "train": train_config}, hidden=("vocab_size",))
-        result = train(out, args.data, model_config, train_config, tokenizer=args.tokenizer,
-                       vocab_size=args.tokenizer_vocab_size, stop_at=args.stop_at,
-                       progress=not args.no_progress, init_from=args.init_from)
-    if not is_main:
-        return 130 if result.interrupted else 0
-    report_run(result, out)
-    if result.interrupted:
-        return 130
+        result = train(out, args.data or "shakespeare", model_config, train_config,
+                       tokenizer=args.tokenizer or "char", vocab_size=args.tokenizer_vocab_size,
+                       stop_at=args.stop_at, progress=not args.no_progress, init_from=args.init_from)
+    if is_main:
+        report_run(result, out)
+    if not is_main or result.interrupted:
+        return result.exit_status
     print(f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
     if args.samples:
         print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu")
     return 0
+
+
+def refuse_on_resume(args: argparse.Namespace) -> None:
+    """--resume continues a run as it was saved: name every given option that would change it."""
+    from gptlab.train import flag, refuse_changes
+
+    given = [flag(name) for name in config_overrides(args, ModelConfig)]
+    given += [option for option, value in (("--preset", args.preset), ("--config", args.config),
+                                          ("--init-from", args.init_from), ("--tokenizer", args.tokenizer),
+                                          ("--vocab-size", args.tokenizer_vocab_size)) if value is not None]
+    if args.data is not None and not (Path(args.data) / "meta.json").is_file():
+        given.append("--data (other than the run's own prepared folder, moved)")
+    refuse_changes(given)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -113,22 +128,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def evaluation_line(run: str | Path, data: str, max_tokens: int | None) -> str:
-    """Evaluate a run's best checkpoint on `data` (train, val, or any text) and describe the result."""
+    """Evaluate a run's best checkpoint on `data` (train, val, a prepared folder's val split, or any
+    text) and describe the result."""
     import dataclasses as dc
 
-    from gptlab.checkpoint import load_checkpoint, load_run
+    from gptlab.checkpoint import data_folder, inference_model, load_checkpoint
     from gptlab.data import TokenData, load_text
     from gptlab.evaluate import evaluate_tokens
 
-    model, tokenizer = load_run(run)
-    if data in ("train", "val"):
-        data_dir = load_checkpoint(run).state.get("data_dir")
-        if data_dir is None:
-            raise ValueError(f"{run} was not trained by gptlab, so it has no {data} split: "
-                             "evaluate it on a text with --data FILE")
-        tokens = TokenData(data_dir).split(data)
+    checkpoint = load_checkpoint(run)
+    model, tokenizer = inference_model(checkpoint, run), checkpoint.load_tokenizer()
+    if data in ("train", "val") or (Path(data) / "meta.json").is_file():
+        own = data in ("train", "val")
+        folder = data_folder(Path(checkpoint.source).parent, checkpoint.state) if own else Path(data)
+        prepared = TokenData(folder)
+        if prepared.tokenizer.to_dict() != checkpoint.tokenizer:
+            raise ValueError(f"{folder} was prepared with another tokenizer than {run}'s: give its own "
+                             "prepared folder, or a text file")
+        split = data if own else "val"
+        tokens = prepared.split(split)
         characters = len(tokens) if tokenizer.kind == "char" else None
-        name = f"{data} split"
+        name = f"{split} split"
     else:
         text = load_text(data)
         tokens = tokenizer.encode_array(text)
@@ -237,7 +257,8 @@ def add_data_commands(sub: Any) -> None:
     )
     tr.add_argument("--preset", choices=list(PRESETS), help="named settings to start from")
     tr.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] tables")
-    tr.add_argument("--data", default="shakespeare", help=source_help + ", or a prepared folder")
+    tr.add_argument("--data", help=source_help + ", or a prepared folder (default shakespeare); with "
+                    "--resume, the run's prepared folder if it was moved")
     tr.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
     add_run_options(tr)
     tr.add_argument("--init-from", metavar="RUN", help="fine-tune: start from this run's (or an imported "
@@ -253,7 +274,8 @@ def add_data_commands(sub: Any) -> None:
                         description="Report the loss, perplexity and bits per character of a run's "
                         "best checkpoint on its train or val split, or on any text.")
     ev.add_argument("run", help="run folder or checkpoint file")
-    ev.add_argument("--data", default="val", help="train, val, or " + source_help)
+    ev.add_argument("--data", default="val", help="train or val (the run's own splits), a prepared folder "
+                    "(its val split), or " + source_help)
     ev.add_argument("--max-tokens", type=int, help="score at most this many tokens")
     ev.set_defaults(func=cmd_eval)
 
@@ -277,7 +299,7 @@ def add_data_commands(sub: Any) -> None:
 
 
 def add_tokenizer_options(parser: argparse.ArgumentParser, tokenizers: Sequence[str]) -> None:
-    parser.add_argument("--tokenizer", choices=tokenizers, default="char", help="how text becomes ids")
+    parser.add_argument("--tokenizer", choices=tokenizers, help="how text becomes ids (default char)")
     parser.add_argument("--vocab-size", type=int, dest="tokenizer_vocab_size", metavar="N",
                         help="vocabulary size of a trained bpe tokenizer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
