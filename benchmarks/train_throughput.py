@@ -8,22 +8,32 @@ run, at the same precision. transformers' column appears when it is installed (`
 
     python benchmarks/train_throughput.py            # the full table (several minutes with compile)
     python benchmarks/train_throughput.py --quick    # float32 and bf16, no compile
+    python benchmarks/train_throughput.py --nanogpt ~/nanoGPT --only-nanogpt   # the step-rate race
+
+With --nanogpt PATH (a nanoGPT checkout; MIT licensed, not part of gptlab) it also races a full
+float32 step of nanoGPT's own model and optimiser against gptlab's `nanogpt-cpu` preset at nanoGPT's
+CPU recipe (4 x 128, no biases, exact GELU, context 64, batch 12), timing the two alternately in
+rounds in this one process, and prints the ratio of their step rates. Both step on random tokens,
+so neither data sampler is timed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gptlab.common import autocast
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
-from gptlab.train import make_optimizer
+from gptlab.optim import make_optimizer
 
 
 @dataclass(frozen=True)
@@ -115,13 +125,74 @@ def transformers_step(size: Size) -> tuple[torch.nn.Module, Callable[[], None]]:
     return model, step
 
 
+def nanogpt_step(checkout: Path) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """A full step of nanoGPT's model and optimiser (its own configure_optimizers) at its CPU recipe."""
+    sys.path.insert(0, str(checkout))
+    from model import GPT as NanoGPT  # nanoGPT's model.py, imported from the checkout
+    from model import GPTConfig
+
+    size = SIZES[0]
+    model = NanoGPT(GPTConfig(block_size=size.block_size, vocab_size=VOCAB, n_layer=size.n_layer,
+                              n_head=size.n_head, n_embd=size.n_embd, dropout=0.0, bias=False))
+    with contextlib.redirect_stdout(io.StringIO()):  # it prints its parameter counts
+        optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    x = torch.randint(0, VOCAB, (size.batch_size, size.block_size))
+
+    def step() -> None:
+        _, loss = model(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+def race(checkout: Path, rounds: int, steps: int) -> None:
+    """nanoGPT's step against gptlab's nanogpt-cpu preset, timed alternately in `rounds` rounds."""
+    from gptlab.presets import resolve_configs
+
+    model_config, train_config = resolve_configs("nanogpt-cpu", None, {"vocab_size": VOCAB})
+    model = GPT(model_config)
+    optimizer = make_optimizer(model, train_config)
+    x = torch.randint(0, VOCAB, (SIZES[0].batch_size, SIZES[0].block_size))
+
+    def ours() -> None:
+        _, loss = model(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    _, theirs = nanogpt_step(checkout)
+    times: dict[str, list[float]] = {"gptlab nanogpt-cpu": [], "nanoGPT": []}
+    for _ in range(rounds):
+        for name, step in (("gptlab nanogpt-cpu", ours), ("nanoGPT", theirs)):
+            times[name].append(time_steps(step, warmup=2, steps=steps))
+    best = {name: min(values) for name, values in times.items()}
+    tokens = SIZES[0].batch_size * SIZES[0].block_size
+    print(f"\nStep-rate race at nanoGPT's CPU recipe (float32), {rounds} alternating rounds of {steps} "
+          "steps, best round's median:\n")
+    print("| implementation | ms/step | steps/s | tokens/s |")
+    print("|---|---|---|---|")
+    for name, seconds in best.items():
+        print(f"| {name} | {seconds * 1e3:.1f} | {1 / seconds:.1f} | {tokens / seconds:,.0f} |")
+    print(f"\ngptlab's step rate is {best['nanoGPT'] / best['gptlab nanogpt-cpu']:.2f}x nanoGPT's")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="skip torch.compile")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--nanogpt", type=Path, help="a nanoGPT checkout, to race its step against gptlab's")
+    parser.add_argument("--only-nanogpt", action="store_true", help="run only the race with nanoGPT")
     args = parser.parse_args()
+    if args.nanogpt:
+        race(args.nanogpt.resolve(), rounds=5, steps=args.steps)
+    if args.only_nanogpt:
+        return
     torch.manual_seed(0)
     peaks = {torch.float32: matmul_peak(torch.float32), torch.bfloat16: matmul_peak(torch.bfloat16)}
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; matmul peak 2048^2: "

@@ -88,6 +88,18 @@ def test_split_spreads_validation_over_the_whole_stream() -> None:
     assert chunk == 2048 and abs(len(val) / 1_000_000 - 0.25) < 0.01
 
 
+def test_tail_split_is_nanogpts_first_ninety_percent_and_last_ten(tmp_path: Path) -> None:
+    text = "".join(chr(ord("a") + i % 26) for i in range(5_000))
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    meta = prepare(str(tmp_path / "text.txt"), tmp_path / "data", split="tail", progress=False)
+    assert meta["split"]["scheme"] == "tail" and meta["tokens"] == {"train": 4_500, "val": 500}
+    data = TokenData(tmp_path / "data")
+    assert data.tokenizer.decode(data.split("train").tolist()) == text[:4_500]
+    assert data.tokenizer.decode(data.split("val").tolist()) == text[4_500:]
+    with pytest.raises(ValueError, match="split='middle' is not one of: spread, tail"):
+        prepare(str(tmp_path / "text.txt"), tmp_path / "other", split="middle", progress=False)
+
+
 def test_large_vocabulary_is_stored_as_uint32(tmp_path: Path) -> None:
     chars = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 70_000) if not 0xD800 <= c < 0xE000)
     (tmp_path / "in.txt").write_text(chars + chars[::-1], encoding="utf-8")

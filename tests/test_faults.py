@@ -29,7 +29,8 @@ from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data import prepare
 from gptlab.files import RunLock
-from gptlab.train import learning_rate, resume, train
+from gptlab.optim import learning_rate
+from gptlab.train import resume, train
 
 MODEL = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
 TRAIN = TrainConfig(batch_size=4, max_steps=6, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_interval=3,

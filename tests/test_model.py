@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 from gptlab.config import ARRANGEMENTS, FFNS, NORMS, POSITIONS, ModelConfig
 from gptlab.model import (
+    ACTIVATIONS,
     GPT,
     KERNELS,
     Block,
@@ -215,3 +216,12 @@ def test_kernels_agree_when_queries_are_the_last_positions() -> None:
     # Cached decoding asks a few new queries against all keys: both kernels must align the mask alike.
     q, k, v = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
     assert_close(KERNELS["sdpa"](q, k, v, None, True), KERNELS["naive"](q, k, v, None, True))
+
+
+def test_activations_match_their_formulas() -> None:
+    x = torch.linspace(-4, 4, 101)
+    assert_close(ACTIVATIONS["gelu_exact"]()(x), 0.5 * x * (1 + torch.erf(x / math.sqrt(2))))
+    tanh_form = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+    assert_close(ACTIVATIONS["gelu"]()(x), tanh_form)
+    assert_close(ACTIVATIONS["relu2"]()(x), torch.clamp(x, min=0) ** 2)
+    assert set(ACTIVATIONS) | {"swiglu"} == set(FFNS)

@@ -19,8 +19,10 @@ from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run, save_checkp
 from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.data import prepare
 from gptlab.generate import generate
+from gptlab.model import GPT
+from gptlab.optim import hidden_matrices, learning_rate, make_optimizer, set_learning_rate
 from gptlab.presets import resolve_configs
-from gptlab.train import TrainingDiverged, learning_rate, resume, train
+from gptlab.train import TrainingDiverged, resume, train
 
 MODEL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
 TRAIN = TrainConfig(batch_size=8, max_steps=40, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_interval=10,
@@ -63,6 +65,38 @@ def test_resume_is_exact(data_dir: Path, tmp_path: Path) -> None:
         assert torch.equal(tensor, split.model_state[name]), name
     for name, tensor in whole.rng.items():
         assert torch.equal(tensor, split.rng[name]), name
+
+
+def test_muon_resume_is_exact_and_splits_the_parameters(data_dir: Path, tmp_path: Path) -> None:
+    muon = TRAIN.replace(max_steps=12, optimizer="muon", muon_lr=0.03, eval_interval=6)
+    train(tmp_path / "whole", data_dir, MODEL, muon, progress=False)
+    train(tmp_path / "split", data_dir, MODEL, muon, stop_at=7, progress=False)
+    resume(tmp_path / "split", progress=False)
+    whole, split = (load_checkpoint(tmp_path / name, prefer=LAST) for name in ("whole", "split"))
+    for name, tensor in whole.model_state.items():
+        assert torch.equal(tensor, split.model_state[name]), name
+    # Muon's momentum is saved for exactly the blocks' Linear weights, AdamW's moments for the rest
+    slots = {name: set(state) for name, state in whole.optimizer_state.items()}
+    hidden = {name for name in slots if ".h." in name and name.endswith("weight") and "ln_" not in name}
+    assert hidden and all(slots[name] == {"momentum_buffer"} for name in hidden)
+    assert all("exp_avg" in slots[name] for name in set(slots) - hidden)
+    assert set(slots) == {name for name, _ in GPT(MODEL.replace(vocab_size=whole.model_config.vocab_size))
+                          .named_parameters()}
+
+
+def test_muon_groups_follow_the_schedule_at_their_own_peak() -> None:
+    model = GPT(MODEL.replace(vocab_size=20))
+    config = TRAIN.replace(optimizer="muon", lr=1e-3, min_lr=1e-4, muon_lr=0.05, warmup_steps=0)
+    optimizer = make_optimizer(model, config)
+    assert set_learning_rate(optimizer, 0, config) == pytest.approx(1e-3)
+    peaks = sorted({round(group["lr"], 9) for group in optimizer.param_groups})
+    assert peaks == [1e-3, 0.05]
+    set_learning_rate(optimizer, config.max_steps, config)  # the end of the cosine: min_lr, scaled
+    assert sorted({round(group["lr"], 9) for group in optimizer.param_groups}) == [1e-4, 0.005]
+    ours = {id(p) for p in hidden_matrices(model)}
+    linear = {id(m.weight) for block in model.transformer.h for m in block.modules()
+              if isinstance(m, torch.nn.Linear)}
+    assert ours == linear and len(ours) == 4 * MODEL.n_layer
 
 
 @pytest.mark.slow  # starts a Python process

@@ -102,7 +102,7 @@ def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> A
 
 NORMS = ("layernorm", "rmsnorm", "none")
 ARRANGEMENTS = ("pre", "post")
-FFNS = ("gelu", "relu", "swiglu")
+FFNS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ATTENTION_KERNELS = ("sdpa", "naive")
 
@@ -123,7 +123,8 @@ class ModelConfig(Config):
     norm: str = option("layernorm", "normalisation (§5, §9.3)", NORMS)
     arrangement: str = option("pre", "where the norms sit: pre-norm x + g(LN(x)) or post-norm LN(x + g(x))",
                               ARRANGEMENTS)
-    ffn: str = option("gelu", "feed-forward activation; swiglu is the gated FFN of §9.3", FFNS)
+    ffn: str = option("gelu", "feed-forward activation: gelu is GPT-2's tanh form, gelu_exact the erf form "
+                      "(nanoGPT's), relu2 is ReLU squared; swiglu is the gated FFN of §9.3", FFNS)
     positions: str = option("learned", "position information (§6)", POSITIONS)
     tied: bool = option(True, "vocabulary head shares the token embedding E (§6)")
     bias: bool = option(True, "biases in linear layers and LayerNorm")
@@ -183,6 +184,7 @@ class ModelConfig(Config):
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 PARALLEL = ("ddp", "fsdp")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass
@@ -197,6 +199,9 @@ class TrainConfig(Config):
     warmup_steps: int = option(100, "steps of linear warm-up from 0 to lr")
     decay_steps: int | None = option(None, "the cosine reaches min_lr at this step and stays there "
                                      "(default: max_steps; extending a run keeps its first max_steps)")
+    optimizer: str = option("adamw", "adamw everywhere, or muon for the blocks' weight matrices and adamw "
+                            "for the rest (embeddings, head, norms, biases)", OPTIMIZERS)
+    muon_lr: float = option(0.04, "peak learning rate of muon's matrices (with --optimizer muon)")
     weight_decay: float = option(0.1, "AdamW weight decay, on matrices only (not biases, norms)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.99, "AdamW beta2")
@@ -225,6 +230,8 @@ class TrainConfig(Config):
         )
         check_choice(owner, "precision", self.precision, PRECISIONS)
         check_choice(owner, "parallel", self.parallel, PARALLEL)
+        check_choice(owner, "optimizer", self.optimizer, OPTIMIZERS)
+        check_positive(owner, muon_lr=self.muon_lr)
         if self.decay_steps is not None:
             check_positive(owner, decay_steps=self.decay_steps)
         for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "save_every"):

@@ -300,24 +300,28 @@ def prepare(
     vocab_size: int | None = None,
     val_fraction: float = 0.1,
     progress: bool = True,
+    split: str = "spread",
 ) -> dict[str, Any]:
     """Tokenize `source` (see load_text) into the data folder `out_dir`; return the meta dict written.
 
     char and bpe tokenizers are trained on the text itself; a Tokenizer instance (a checkpoint's, for
-    fine-tuning) is used as it is. The split is the one `split_tokens`
-    describes. The folder appears complete or not at all: everything is written to a hidden sibling
-    folder first, and an earlier preparation in `out_dir` is replaced only once the new one is done.
+    fine-tuning) is used as it is. `split` is "spread" (`split_tokens`: validation spread over the
+    whole corpus) or "tail" (`tail_split`: the last val_fraction validates, as nanoGPT splits). The
+    folder appears complete or not at all: everything is written to a hidden sibling folder first,
+    and an earlier preparation in `out_dir` is replaced only once the new one is done.
     """
     if not 0.0 < val_fraction <= 0.5:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 0.5]: for example 0.1")
     if isinstance(tokenizer, str):
         check_tokenizer_args(tokenizer, vocab_size)
+    if split not in SPLIT_SCHEMES:
+        raise ValueError(f"split={split!r} is not one of: {', '.join(SPLIT_SCHEMES)}")
     out_dir = Path(out_dir)
     _check_out_dir(out_dir)
     text = load_text(source)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else train_tokenizer(tokenizer, text, vocab_size)
     ids = encode_text(tok, text, progress)
-    train, val, chunk = split_tokens(ids, val_fraction)
+    train, val, chunk = SPLIT_SCHEMES[split](ids, val_fraction)
     if len(train) == 0 or len(val) == 0:
         raise ValueError(
             f"{source} is too short to split: its {len(ids)} tokens give {len(train)} for training and "
@@ -333,7 +337,8 @@ def prepare(
         "tokens": {"train": len(train), "val": len(val)},
         "characters": len(text),
         "val_fraction": val_fraction,
-        "split": {"scheme": "every-kth-chunk", "chunk_tokens": chunk, "rule": SPLIT_RULE},
+        "split": {"scheme": "every-kth-chunk", "chunk_tokens": chunk, "rule": SPLIT_RULE}
+        if split == "spread" else {"scheme": "tail", "rule": TAIL_RULE},
     }
     _write_data_folder(out_dir, meta, tok, {"train": train.astype(dtype), "val": val.astype(dtype)})
     return meta
@@ -370,6 +375,16 @@ def split_tokens(ids: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.n
     # The small epsilon keeps products such as 10 * 0.1 from landing just below an integer.
     is_val = np.floor((index + 1) * val_fraction + 1e-9) > np.floor(index * val_fraction + 1e-9)
     return ids[~is_val], ids[is_val], chunk
+
+
+def tail_split(ids: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """nanoGPT's split: the first 1 - val_fraction of the stream trains, the rest validates."""
+    cut = int(len(ids) * (1 - val_fraction))
+    return ids[:cut], ids[cut:], len(ids) - cut
+
+
+SPLIT_SCHEMES = {"spread": split_tokens, "tail": tail_split}
+TAIL_RULE = "the first 1 - val_fraction of the tokens train, the rest validate"
 
 
 def _check_out_dir(out_dir: Path) -> None:

@@ -52,6 +52,7 @@ from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.data import TokenData, prepare
 from gptlab.files import RunLock, atomic_write_text, remove_stale_temporaries
 from gptlab.metrics import MetricsLog, plot_losses
+from gptlab.optim import learning_rate, make_optimizer, set_learning_rate
 from gptlab.tasks import TaskData
 from gptlab.tokenizer import Tokenizer
 
@@ -104,28 +105,6 @@ class TrainResult:
     def exit_status(self) -> int:
         """What the command exits with: 0 when finished, else 128 + the signal (130 Ctrl-C, 143 SIGTERM)."""
         return 128 + (self.signal or signal.SIGINT) if self.interrupted else 0
-
-
-def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `decay_steps` (default max_steps)."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    end = config.decay_steps or config.max_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, end - config.warmup_steps))
-    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - config.min_lr)
-
-
-def make_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on weight matrices and embeddings, none on biases and norm gains."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": config.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # The fused kernel updates all tensors in one pass: 4x faster than foreach on a 2-core CPU.
-    fused = next(model.parameters()).device.type in ("cpu", "cuda")
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
 
 
 @torch.no_grad()
@@ -192,6 +171,9 @@ class Trainer:
                 f"batch_size={train_config.batch_size} is not divisible by the {dist.world_size} "
                 f"processes: choose a multiple of {dist.world_size}"
             )
+        if train_config.optimizer == "muon" and train_config.parallel == "fsdp" and dist.world_size > 1:
+            raise ValueError("--optimizer muon needs whole weight matrices, which --parallel fsdp shards: "
+                             "use --parallel ddp, or --optimizer adamw")
         share = train_config.batch_size // dist.world_size
         self.rows = slice(dist.rank * share, (dist.rank + 1) * share)  # this rank's windows
         self.dtype = resolve_precision(train_config.precision, device, config.n_embd)
@@ -248,9 +230,7 @@ class Trainer:
         """One optimiser step over `grad_accum` micro-batches: the mean loss, whether to stop now and
         whether to save now (decided together on every rank, so that collective saves stay in step)."""
         cfg = self.train_config
-        lr = learning_rate(self.step, cfg)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rate(self.optimizer, self.step, cfg)
         # The step's loss is the mean over every scored target of its micro-batches, on all ranks.
         # Padded (seq2seq) batches score different numbers of targets per slice, so each slice's mean
         # is weighted by its share of them; DDP's averaging over ranks is undone by the world size.

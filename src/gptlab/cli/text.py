@@ -62,7 +62,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     meta = prepare(args.source, args.out, tokenizer=args.tokenizer or "char",
                    vocab_size=args.tokenizer_vocab_size, val_fraction=args.val_fraction,
-                   progress=not args.no_progress)
+                   progress=not args.no_progress, split=args.split)
     tokens = meta["tokens"]
     print(f"wrote {args.out}: {tokens['train']:,} train and {tokens['val']:,} validation tokens, "
           f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids")
@@ -244,6 +244,9 @@ def add_data_commands(sub: Any) -> None:
     prep.add_argument("source", help=source_help)
     prep.add_argument("--out", required=True, help="folder to write (replaced only on success)")
     prep.add_argument("--val-fraction", type=float, default=0.1, help="share held out for validation")
+    prep.add_argument("--split", choices=("spread", "tail"), default="spread",
+                      help="spread: every tenth chunk validates, across the whole corpus (default); tail: "
+                      "the last val-fraction of the text validates, as nanoGPT splits")
     add_tokenizer_options(prep, TOKENIZERS)
     prep.set_defaults(func=cmd_prepare)
 

@@ -1,0 +1,110 @@
+"""Optimisers and the learning-rate schedule of training.
+
+`adamw`: AdamW on every parameter, with weight decay on matrices and embeddings only. `muon`: Muon
+(`torch.optim.Muon`: momentum, then the update orthogonalised by Newton-Schulz iterations) on the
+hidden weight matrices, the nn.Linear weights inside the blocks, and AdamW on everything else
+(embeddings, vocabulary head, norm gains, biases), as Muon's authors use it. On a small character
+model Muon reached a given loss in about half the steps of AdamW (measured, see presets.py).
+
+The schedule is one multiplier for every parameter group: linear warm-up, then a cosine from `lr`
+down to `min_lr` at `decay_steps` (default max_steps), then `min_lr`. Muon's groups run at
+`muon_lr` scaled by the same multiplier.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from gptlab.config import TrainConfig
+from gptlab.model import Block
+
+Optimizer = torch.optim.Optimizer
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `decay_steps` (default max_steps)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    end = config.decay_steps or config.max_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, end - config.warmup_steps))
+    return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - config.min_lr)
+
+
+def set_learning_rate(optimizer: Optimizer | Optimizers, step: int, config: TrainConfig) -> float:
+    """Put every group at its own peak times the schedule's factor for `step`; return AdamW's lr."""
+    lr = learning_rate(step, config)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_scale", 1.0)
+    return lr
+
+
+def adamw(params: list[nn.Parameter], config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on weight matrices and embeddings, none on biases and norm gains."""
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # The fused kernel updates all tensors in one pass: 4x faster than foreach on a 2-core CPU.
+    fused = params[0].device.type in ("cpu", "cuda")
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
+
+
+def hidden_matrices(model: nn.Module) -> Iterator[nn.Parameter]:
+    """The weights of every nn.Linear inside a Transformer block (Muon's share of the parameters)."""
+    for block in model.modules():
+        if isinstance(block, Block):
+            yield from (m.weight for m in block.modules() if isinstance(m, nn.Linear))
+
+
+def make_optimizer(model: nn.Module, config: TrainConfig) -> Optimizer | Optimizers:
+    """The optimiser `config.optimizer` names, over every parameter of `model`."""
+    if config.optimizer == "adamw":
+        return adamw(list(model.parameters()), config)
+    hidden = list(dict.fromkeys(hidden_matrices(model)))  # each once, in order
+    chosen = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in chosen]
+    # Keller Jordan's scaling ("original"); no weight decay on Muon's matrices.
+    muon = torch.optim.Muon(hidden, lr=config.muon_lr, weight_decay=0.0, adjust_lr_fn="original")
+    for group in muon.param_groups:
+        group["lr_scale"] = config.muon_lr / config.lr
+    return Optimizers(adamw(rest, config), muon)
+
+
+class Optimizers:
+    """Several optimisers stepped as one, over disjoint parameters (Muon and AdamW)."""
+
+    def __init__(self, *optimizers: Optimizer) -> None:
+        self.optimizers = optimizers
+        self.state = RoutedState(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class RoutedState:
+    """The per-parameter state of several optimisers, read and written as one mapping."""
+
+    def __init__(self, optimizers: tuple[Optimizer, ...]) -> None:
+        self.owner = {p: o for o in optimizers for group in o.param_groups for p in group["params"]}
+
+    def __contains__(self, param: object) -> bool:
+        return param in self.owner and param in self.owner[param].state
+
+    def __getitem__(self, param: torch.Tensor) -> dict:
+        return self.owner[param].state[param]
+
+    def __setitem__(self, param: torch.Tensor, slots: dict) -> None:
+        self.owner[param].state[param] = slots
