@@ -38,8 +38,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
     # The fastest way found to nanoGPT's CPU-recipe loss (benchmarks/time_to_loss.py; the README's
     # ablation table has what each change bought): Muon on the blocks' matrices, a 4x larger batch at a
-    # 6x higher peak lr, 200 steps, 3 blocks, the exact GELU (10x cheaper than the tanh form on the
-    # CPUs measured) and few, small evaluations.
+    # 6x higher peak lr, 200 steps, 3 blocks, the exact GELU (a third cheaper than the tanh form in
+    # the profiles on a 2-core Xeon) and few, small evaluations.
     "speedrun": {
         "model": dict(n_layer=3, n_head=4, n_embd=128, block_size=64, dropout=0.0, ffn="gelu_exact"),
         "train": dict(batch_size=48, max_steps=200, lr=6e-3, min_lr=6e-4, warmup_steps=20, optimizer="muon",
