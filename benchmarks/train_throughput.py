@@ -85,11 +85,14 @@ def time_steps(step: Callable[[], None], warmup: int, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gptlab_step(size: Size, dtype: torch.dtype, compile_model: bool) -> tuple[GPT, Callable[[], None]]:
-    config = ModelConfig(vocab_size=VOCAB, block_size=size.block_size, n_layer=size.n_layer,
-                         n_head=size.n_head, n_embd=size.n_embd)
+def gptlab_step(size: Size, dtype: torch.dtype, compile_model: bool, config: ModelConfig | None = None,
+                train_config: TrainConfig | None = None) -> tuple[GPT, Callable[[], None]]:
+    """A full gptlab training step on random tokens (the default model and optimiser of that size)."""
+    config = config or ModelConfig(vocab_size=VOCAB, block_size=size.block_size, n_layer=size.n_layer,
+                                   n_head=size.n_head, n_embd=size.n_embd)
+    train_config = train_config or TrainConfig()
     model = GPT(config)
-    optimizer = make_optimizer(model, TrainConfig())
+    optimizer = make_optimizer(model, train_config)
     forward = torch.compile(model) if compile_model else model
     x = torch.randint(0, VOCAB, (size.batch_size, size.block_size))
     device = torch.device("cpu")
@@ -98,7 +101,7 @@ def gptlab_step(size: Size, dtype: torch.dtype, compile_model: bool) -> tuple[GP
         with autocast(device, dtype):
             _, loss = forward(x, x)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -153,17 +156,7 @@ def race(checkout: Path, rounds: int, steps: int) -> None:
     from gptlab.presets import resolve_configs
 
     model_config, train_config = resolve_configs("nanogpt-cpu", None, {"vocab_size": VOCAB})
-    model = GPT(model_config)
-    optimizer = make_optimizer(model, train_config)
-    x = torch.randint(0, VOCAB, (SIZES[0].batch_size, SIZES[0].block_size))
-
-    def ours() -> None:
-        _, loss = model(x, x)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train_config.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    _, ours = gptlab_step(SIZES[0], torch.float32, False, model_config, train_config)
     _, theirs = nanogpt_step(checkout)
     times: dict[str, list[float]] = {"gptlab nanogpt-cpu": [], "nanoGPT": []}
     for _ in range(rounds):
