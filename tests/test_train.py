@@ -20,7 +20,7 @@ from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.data import prepare
 from gptlab.generate import generate
 from gptlab.model import GPT
-from gptlab.optim import hidden_matrices, learning_rate, make_optimizer, set_learning_rate
+from gptlab.optim import BatchedMuon, hidden_matrices, learning_rate, make_optimizer, set_learning_rate
 from gptlab.presets import resolve_configs
 from gptlab.train import TrainingDiverged, resume, train
 
@@ -82,6 +82,26 @@ def test_muon_resume_is_exact_and_splits_the_parameters(data_dir: Path, tmp_path
     assert all("exp_avg" in slots[name] for name in set(slots) - hidden)
     assert set(slots) == {name for name, _ in GPT(MODEL.replace(vocab_size=whole.model_config.vocab_size))
                           .named_parameters()}
+
+
+def test_batched_muon_is_torchs_muon_bit_for_bit() -> None:
+    def matrices() -> list[torch.nn.Parameter]:
+        torch.manual_seed(0)
+        return list(hidden_matrices(GPT(MODEL.replace(vocab_size=20, n_layer=3))))
+
+    ours, theirs = matrices(), matrices()
+    batched = BatchedMuon(ours, lr=0.04, weight_decay=0.01, adjust_lr_fn="original")
+    reference = torch.optim.Muon(theirs, lr=0.04, weight_decay=0.01, adjust_lr_fn="original")
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn(a.shape, generator=generator)
+            b.grad = a.grad.clone()
+        batched.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(batched.state[a]["momentum_buffer"], reference.state[b]["momentum_buffer"])
 
 
 def test_muon_groups_follow_the_schedule_at_their_own_peak() -> None:
