@@ -23,6 +23,11 @@ extra (`pip install 'gptlab[hf]'`); without it the table is skipped.
 
     python benchmarks/generate.py            # both models (a few minutes on a 2-core CPU)
     python benchmarks/generate.py --quick    # the demo model only
+    python benchmarks/generate.py --batches  # batched throughput on the GPT-2-small shape
+
+`--batches` decodes 64 new tokens for batches of 1, 4, 16 and 64 prompts (all of 16 tokens, or of 1
+to 32 tokens, left-padded), and prints total and per-sequence tokens/s for gptlab's batched KV-cache
+decoder and for transformers' `generate` on the same weights.
 """
 
 from __future__ import annotations
@@ -215,6 +220,53 @@ def transformers_comparison(device: torch.device) -> list[str]:
     return rows
 
 
+BATCHES = (1, 4, 16, 64)
+BATCH_NEW_TOKENS = 64
+
+
+def batch_prompts(batch: int, same_lengths: bool) -> list[list[int]]:
+    """`batch` prompts of 16 tokens each, or of 1 to 32 tokens (spread evenly), from a fixed seed."""
+    generator = torch.Generator().manual_seed(batch)
+    lengths = [16] * batch if same_lengths else [1 + (31 * i) // max(1, batch - 1) for i in range(batch)]
+    return [torch.randint(0, 50000, (n,), generator=generator).tolist() for n in lengths]
+
+
+def hf_batch_generate(hf: torch.nn.Module, prompts: list[list[int]], device: torch.device) -> None:
+    """transformers' generate on left-padded prompts with their attention mask (greedy, n new each)."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    hf.generate(ids, attention_mask=mask, do_sample=False, use_cache=True, max_new_tokens=BATCH_NEW_TOKENS,
+                min_new_tokens=BATCH_NEW_TOKENS, pad_token_id=0)
+
+
+def batched_rows(device: torch.device) -> list[str]:
+    """Total and per-sequence tokens/s of GPT-2-small-shaped decoding at several batch sizes, gptlab
+    beside transformers when it is installed (the same weights, best of 2 after a warm-up)."""
+    torch.manual_seed(0)
+    model = GPT(SIZES[1].config).to(device).eval()
+    try:
+        from gptlab.convert import to_transformers
+
+        hf = to_transformers(model)
+    except ImportError:
+        hf = None
+    decoding_layout(model)
+    rows = []
+    for same in (True, False):
+        for batch in BATCHES:
+            prompts = batch_prompts(batch, same)
+            runs = {"gptlab": lambda p=prompts: list(generate(model, p, greedy(BATCH_NEW_TOKENS)))}
+            if hf is not None:
+                runs["transformers"] = lambda p=prompts: hf_batch_generate(hf, p, device)
+            for name, run in runs.items():
+                seconds, _ = best_seconds(lambda r=run: r() or [], repeats=2)
+                total = batch * BATCH_NEW_TOKENS / seconds
+                lengths = "16 each" if same else "1 to 32"
+                rows.append(f"| {batch} | {lengths} | {name} | {total:,.1f} | {total / batch:,.1f} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -222,10 +274,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the demo model only")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--batches", action="store_true", help="only the batched-throughput table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if args.batches:
+        print(f"{BATCH_NEW_TOKENS} new tokens per prompt, greedy, float32, GPT-2-small shape, random "
+              f"weights; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+        print("| batch | prompt lengths | decoder | tokens/s in total | tokens/s per sequence |")
+        print("|---|---|---|---|---|")
+        for row in batched_rows(device):
+            print(row, flush=True)
+        return
     bandwidth = copy_bandwidth(device)
     streamed, transposed = (product_bandwidth(device, layout) for layout in (False, True))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}; float32, batch 1, "

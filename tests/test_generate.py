@@ -183,6 +183,18 @@ def test_batched_prompts_of_different_lengths_give_each_prompt_its_own_tokens(
             alone.append(tokens[b : b + 1])
 
 
+@pytest.mark.parametrize("positions", POSITIONS)
+def test_a_short_run_gets_a_cache_of_its_own_length_and_the_same_tokens(positions: str,
+                                                                        random_model: RandomModel) -> None:
+    model = random_model(positions=positions)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    assert Decoder(model, prompts, max_new_tokens=6).cache.capacity == 5 + 6  # not WINDOW = 16
+    assert Decoder(model, prompts, max_new_tokens=40).cache.capacity == WINDOW  # a ring past the window
+    short = rows_of(generate(model, prompts, greedy(6)))
+    assert short == rows_of(generate(model, prompts, greedy(6), use_cache=False))
+    assert [row[:6] for row in rows_of(generate(model, prompts, greedy(12)))] == short
+
+
 def test_prompts_longer_than_the_window_keep_their_last_tokens(random_model: RandomModel) -> None:
     model = random_model(positions="rope")
     prompt = torch.randint(0, 13, (1, 3 * WINDOW), generator=seeded(2))

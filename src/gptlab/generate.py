@@ -66,7 +66,10 @@ class Decoder:
     window moves), then the newest token of each row. Without one every step starts from scratch.
     """
 
-    def __init__(self, model: GPT, rows: Sequence[Sequence[int]], use_cache: bool = True) -> None:
+    def __init__(self, model: GPT, rows: Sequence[Sequence[int]], use_cache: bool = True,
+                 max_new_tokens: int | None = None) -> None:
+        """`max_new_tokens`, when known, sizes the cache to what the run can hold: at most block_size
+        slots (a ring), fewer when every row ends before then, so a large batch allocates only that."""
         if not model.config.causal:
             raise ValueError("generation needs a causal model: causal=False is only for demonstrations")
         self.model, self.config = model, model.config
@@ -74,7 +77,9 @@ class Decoder:
         self.starts = [0] * len(self.rows)  # the first token of each row's window
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        self.cache = self._new_cache(self.config.block_size) if use_cache else None
+        window = self.config.block_size
+        longest = max(map(len, self.rows)) + (window if max_new_tokens is None else max_new_tokens)
+        self.cache = self._new_cache(min(window, longest)) if use_cache else None
         self.prefilled = False  # whether the cache holds every token but the newest of each row
         self.latest: torch.Tensor | None = None  # the logits for the rows as they are, once computed
 
@@ -137,7 +142,8 @@ def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], sampli
     `generator` (default: one seeded with `sampling.seed`) draws the samples.
     """
     model.eval()
-    decoder = Decoder(model, prompt_rows(prompts, model.config.block_size), use_cache)
+    rows = prompt_rows(prompts, model.config.block_size)
+    decoder = Decoder(model, rows, use_cache, sampling.max_new_tokens)
     generator = generator or sampler(sampling, decoder.device)
     finished = torch.zeros(len(decoder.rows), 1, dtype=torch.bool, device=decoder.device)
     for _ in range(sampling.max_new_tokens):
