@@ -62,8 +62,10 @@ class Chromium:
         target = self.call("Target.createTarget", url=page.as_uri())["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         self.call("Runtime.enable")
+        # The new target shows about:blank (already "complete") before it navigates: wait for the page.
+        loaded = f"document.readyState === 'complete' && location.href === {json.dumps(page.as_uri())}"
         for _ in range(100):
-            if self.js("document.readyState") == "complete":
+            if self.js(loaded):
                 return
             time.sleep(0.05)
         raise AssertionError(f"{page} did not finish loading")
