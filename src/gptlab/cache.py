@@ -32,6 +32,8 @@ class KVCache:
     - Row b's next tokens after `reset(pad, first)` are pad[b] padding tokens, then real tokens at
       positions first[b], first[b] + 1, ...; padding takes the position of the first real token and
       may see anything (its outputs are never used), so no query row is empty.
+    - The mask is None when every query sees every held key (one new token per row, no padding,
+      nothing wrapped or out of the window: most batch-1 steps), sparing the kernel a masked path.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, capacity: int | None = None,
@@ -45,14 +47,16 @@ class KVCache:
         self.slot_real = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)  # (B, S)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.first = torch.zeros_like(self.pad)  # (B,)
+        self.padded = False  # whether any row starts with padding
         self.fed = 0  # tokens fed since the last reset, padding included
-        self.slots = slice(0, 0)  # the slots of the tokens being fed
+        self.start, self.n_new = 0, 0  # the first slot of the tokens being fed, and how many they are
         self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # theirs, (B, T)
-        self.mask = torch.zeros(batch_size, 1, 0, 0, dtype=torch.bool, device=device)  # (B, 1, T, S)
+        self.mask: torch.Tensor | None = None  # (B, 1, T, S), or None when every query sees every key
 
     def reset(self, pad: torch.Tensor, first: torch.Tensor | None = None) -> None:
         """Forget every token, keeping the memory; see the class docstring for `pad` and `first` (B,)."""
         self.pad = pad
+        self.padded = bool(pad.any())
         self.first = torch.zeros_like(pad) if first is None else first
         self.fed = 0
         self.slot_positions.fill_(EMPTY)
@@ -65,10 +69,13 @@ class KVCache:
         column = self.fed + torch.arange(n_new, device=self.pad.device)  # tokens since the reset, (T,)
         real = column >= self.pad[:, None]  # (B, T)
         self.positions = self.first[:, None] + (column - self.pad[:, None]).clamp(min=0)  # (B, T)
-        self.slots = slice(start, start + n_new)
-        self.slot_positions[:, self.slots] = self.positions
-        self.slot_real[:, self.slots] = real
+        self.start, self.n_new = start, n_new
+        self.slot_positions[:, start:start + n_new] = self.positions
+        self.slot_real[:, start:start + n_new] = real
         self.fed += n_new
+        if n_new == 1 and not self.padded and self.fed <= min(self.window, self.capacity):
+            self.mask = None  # one query per row, no padding, nothing wrapped or out of the window
+            return self.positions
         used = min(self.fed, self.capacity)
         keys_at = self.slot_positions[:, None, :used]  # (B, 1, S)
         queries_at = self.positions[:, :, None]  # (B, T, 1)
@@ -81,7 +88,8 @@ class KVCache:
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new keys and values (B, H, T, hs); return all it holds, (B, H, S, hs) each."""
-        self.keys[layer, :, :, self.slots] = keys
-        self.values[layer, :, :, self.slots] = values
+        held_keys, held_values = self.keys[layer], self.values[layer]  # (B, H, S, hs) each
+        held_keys.narrow(2, self.start, self.n_new).copy_(keys)
+        held_values.narrow(2, self.start, self.n_new).copy_(values)
         used = min(self.fed, self.capacity)  # unused slots take no part
-        return self.keys[layer, :, :, :used], self.values[layer, :, :, :used]
+        return held_keys.narrow(2, 0, used), held_values.narrow(2, 0, used)

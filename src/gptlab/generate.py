@@ -81,6 +81,7 @@ class Decoder:
         longest = max(map(len, self.rows)) + (window if max_new_tokens is None else max_new_tokens)
         self.cache = self._new_cache(min(window, longest)) if use_cache else None
         self.prefilled = False  # whether the cache holds every token but the newest of each row
+        self.newest: torch.Tensor | None = None  # the token last appended to each row, (B, 1)
         self.latest: torch.Tensor | None = None  # the logits for the rows as they are, once computed
 
     def append(self, tokens: torch.Tensor) -> None:
@@ -88,9 +89,10 @@ class Decoder:
         assert self.latest is not None or not self.prefilled, "call logits() before appending another token"
         for row, token in zip(self.rows, tokens.flatten().tolist(), strict=True):
             row.append(token)
+        self.newest = tokens.reshape(-1, 1).to(self.device)
         self.latest = None
 
-    @torch.no_grad()
+    @torch.inference_mode()  # cheaper per operation than no_grad; the logits never enter autograd
     def logits(self) -> torch.Tensor:
         """The logits (B, V) of the token after each row's newest one (computed once per step)."""
         if self.latest is None:
@@ -106,7 +108,7 @@ class Decoder:
             idx, pad = self._left_padded([row[s:] for row, s in zip(self.rows, starts, strict=True)])
             cache.reset(pad)
         else:
-            idx = torch.tensor([row[-1:] for row in self.rows], device=self.device)  # (B, 1)
+            idx = self.newest  # (B, 1)
         return self.model(idx, cache=cache, last_only=True)[0][:, -1]
 
     def _recompute(self, starts: list[int]) -> torch.Tensor:
@@ -131,7 +133,6 @@ class Decoder:
         return idx, pad
 
 
-@torch.no_grad()
 def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], sampling: SamplingConfig, *,
              generator: torch.Generator | None = None, eot_id: int | None = None,
              use_cache: bool = True) -> Iterator[torch.Tensor]:

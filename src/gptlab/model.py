@@ -280,7 +280,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.project(x, None if cache is None else cache.positions)
         if cache is not None:  # the cache's mask already holds causality, padding and the window
             k, v = cache.update(self.layer, k, v)  # (B, H, S, hs) each
-            mask = cache.mask  # (B, 1, T, S)
+            mask = cache.mask  # (B, 1, T, S), or None when every query sees every held key
         y = self.kernel(q, k, v, mask, self.causal and cache is None)  # (B, H, T, hs)
         return self.c_proj(merge_heads(y))
 
@@ -303,7 +303,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = NORMS[config.norm](config)
         self.mlp = FFNS[config.ffn](config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()  # a call fewer
         self.prenorm = config.arrangement == "pre"
 
     def residual(self, x: torch.Tensor, norm: nn.Module,
