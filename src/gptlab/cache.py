@@ -5,7 +5,8 @@ layer's keys and values and compute only the new positions. `GPT.forward(idx, ca
 the tokens the cache has not seen; the cache gives them positions and a mask, and each attention
 layer stores its new keys and values here and attends over all the held ones.
 
-Shape legend: L layers, B batch, H heads, S cache slots, T new tokens, hs head size.
+Shape legend: L layers, B batch, Hkv key/value heads (H unless grouped), S cache slots, T new tokens,
+hs head size.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ class KVCache:
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.capacity = capacity or config.block_size
         self.window = config.block_size
-        shape = (config.n_layer, batch_size, config.n_head, self.capacity, config.head_size)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, H, S, hs)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, H, S, hs)
+        shape = (config.n_layer, batch_size, config.kv_heads, self.capacity, config.head_size)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hs)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hs)
         self.slot_positions = torch.full((batch_size, self.capacity), EMPTY, device=device)  # (B, S)
         self.slot_real = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)  # (B, S)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
@@ -87,8 +88,8 @@ class KVCache:
     def update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's new keys and values (B, H, T, hs); return all it holds, (B, H, S, hs) each."""
-        held_keys, held_values = self.keys[layer], self.values[layer]  # (B, H, S, hs) each
+        """Store one layer's new keys and values (B, Hkv, T, hs); return all it holds (B, Hkv, S, hs)."""
+        held_keys, held_values = self.keys[layer], self.values[layer]  # (B, Hkv, S, hs) each
         held_keys.narrow(2, self.start, self.n_new).copy_(keys)
         held_values.narrow(2, self.start, self.n_new).copy_(values)
         used = min(self.fed, self.capacity)  # unused slots take no part

@@ -130,13 +130,15 @@ def fused_and_separate(attn: M.CausalSelfAttention,
                        x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """§4.2 on input rows x (B, T, D): (fused, separate) for Q, K and V, then (module, heads written out)."""
     B, T, D = x.shape
-    H = attn.n_head
-    biases = attn.c_attn.bias.split(D) if attn.c_attn.bias is not None else (None,) * 3
-    separate = [F.linear(x, weight, bias).view(B, T, H, D // H).transpose(1, 2)  # (B, H, T, hs)
-                for weight, bias in zip(attn.c_attn.weight.split(D), biases, strict=True)]
+    H, group = attn.n_head, attn.n_head // attn.n_kv_head  # query heads per key/value head
+    biases = attn.c_attn.bias.split(attn.widths) if attn.c_attn.bias is not None else (None,) * 3
+    separate = [F.linear(x, weight, bias).view(B, T, -1, D // H).transpose(1, 2)  # (B, H or Hkv, T, hs)
+                for weight, bias in zip(attn.c_attn.weight.split(attn.widths), biases, strict=True)]
     separate[:2] = [attn.rotate(t) for t in separate[:2]]  # RoPE turns queries and keys, not values
     mask = M.causal_mask(T, T, x.device) if attn.causal else None
-    heads = [M.attention(*(t[:, h] for t in separate), mask)[0] for h in range(H)]  # H x (B, T, hs)
+    q, k, v = separate
+    heads = [M.attention(q[:, h], k[:, h // group], v[:, h // group], mask)[0]  # H x (B, T, hs)
+             for h in range(H)]
     return [*zip(attn.project(x), separate, strict=True), (attn(x), attn.c_proj(torch.cat(heads, dim=-1)))]
 
 

@@ -118,6 +118,9 @@ class ModelConfig(Config):
     block_size: int = option(256, "context window T_max: the most tokens the model sees at once")
     n_layer: int = option(4, "number of blocks L")
     n_head: int = option(4, "attention heads H per block; must divide n_embd")
+    n_kv_head: int | None = option(None, "key/value heads (grouped-query attention, a departure from §4, "
+                                   "where every head has its own keys and values): each serves n_head / "
+                                   "n_kv_head query heads; 1 is multi-query; default n_head")
     n_embd: int = option(128, "model width D")
     ffn_mult: float = option(4.0, "feed-forward width F = ffn_mult * D (§5: D_ff = 4D)")
     norm: str = option("layernorm", "normalisation (§5, §9.3)", NORMS)
@@ -128,6 +131,8 @@ class ModelConfig(Config):
     positions: str = option("learned", "position information (§6)", POSITIONS)
     tied: bool = option(True, "vocabulary head shares the token embedding E (§6)")
     bias: bool = option(True, "biases in linear layers and LayerNorm")
+    qkv_bias: bool | None = option(None, "biases in the fused QKV projection only (Qwen2 has them without "
+                                   "the others); default: as bias")
     dropout: float = option(0.0, "dropout on embeddings and residual updates, in [0, 1)")
     attention: str = option("sdpa", "attention kernel: fused sdpa, or naive explicit scores/mask/softmax",
                             ATTENTION_KERNELS)
@@ -148,6 +153,9 @@ class ModelConfig(Config):
             norm_eps=self.norm_eps,
             rope_base=self.rope_base,
         )
+        if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
+            raise ValueError(f"{owner}.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}: every "
+                             "key/value head serves the same number of query heads")
         check_choice(owner, "norm", self.norm, NORMS)
         check_choice(owner, "arrangement", self.arrangement, ARRANGEMENTS)
         check_choice(owner, "ffn", self.ffn, FFNS)
@@ -177,9 +185,19 @@ class ModelConfig(Config):
         return self.n_embd // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads per block: n_kv_head, or n_head (every head its own, §4)."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def attn_bias(self) -> bool:
+        """Whether the fused QKV projection has biases."""
+        return self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
     def ffn_hidden(self) -> int:
-        """F, the feed-forward width."""
-        return int(self.ffn_mult * self.n_embd)
+        """F, the feed-forward width (ffn_mult * D, rounded down; 1536 / 576 * 576 is 1536, not 1535)."""
+        return int(self.ffn_mult * self.n_embd + 1e-6)
 
 
 PRECISIONS = ("auto", "float32", "bfloat16")

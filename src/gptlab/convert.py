@@ -1,4 +1,8 @@
-"""Hugging Face interop: gptlab runs <-> GPT-2 folders that `transformers` loads, logit for logit.
+"""Hugging Face interop: gptlab runs <-> GPT-2, Llama and Qwen2 folders that `transformers` loads.
+
+This module holds GPT-2's map and the folder-level work for every family; the Llama family's configs
+and name map are in `convert_llama`. Which family a run exports as follows from its config: GPT-2's
+recipe below, or a Llama's (rotary positions, RMSNorm, SwiGLU, no biases; Qwen2 with q/k/v biases).
 
 gptlab's GPT with learned positions, pre-norm LayerNorm, the tanh GELU, biases and a tied head is
 GPT-2 (§5-§7 of the handout), and its modules carry GPT-2's checkpoint names, so the conversion is
@@ -41,9 +45,18 @@ from gptlab.checkpoint import (
     save_checkpoint,
 )
 from gptlab.config import ModelConfig
+from gptlab.convert_llama import (
+    FAMILIES,
+    family_of,
+    from_llama_state,
+    llama_config,
+    llama_problems,
+    model_config_from_llama,
+    to_llama_state,
+)
 from gptlab.files import atomic_write, atomic_write_text
 from gptlab.model import GPT
-from gptlab.tokenizer import EOT, tokenizer_from_dict
+from gptlab.tokenizer import EOT, ImportedTokenizer, tokenizer_from_dict
 
 PREFIX, HEAD = "transformer.", "lm_head.weight"
 BLOCK_TENSORS = (
@@ -83,15 +96,35 @@ class Conversion:
 # Configs
 
 
-def check_exportable(config: ModelConfig) -> None:
-    """Raise one ValueError listing every field GPT-2 cannot represent, with what GPT-2 needs."""
+def gpt2_problems(config: ModelConfig) -> list[str]:
+    """Every field GPT-2 cannot represent, with what GPT-2 needs."""
     problems = [
         f"{name}={getattr(config, name)!r} (GPT-2 needs {need!r})"
         for name, need in GPT2_NEEDS.items()
         if getattr(config, name) != need
     ]
+    if config.kv_heads != config.n_head or config.attn_bias != config.bias:
+        problems.append(f"n_kv_head={config.n_kv_head}, qkv_bias={config.qkv_bias} "
+                        "(GPT-2 needs None for both)")
+    return problems
+
+
+def check_exportable(config: ModelConfig) -> None:
+    """Raise one ValueError listing every field GPT-2 cannot represent, with what GPT-2 needs."""
+    problems = gpt2_problems(config)
     if problems:
         raise ValueError(f"this model cannot be exported as GPT-2: {'; '.join(problems)}")
+
+
+def export_family(config: ModelConfig) -> str:
+    """`gpt2`, `llama` or `qwen2`: the Hugging Face family this config is; one ValueError lists, for GPT-2
+    and for the Llama family, every field that does not fit."""
+    gpt2, llama = gpt2_problems(config), llama_problems(config)
+    if not gpt2:
+        return "gpt2"
+    if not llama:
+        return family_of(config)
+    raise ValueError(f"this model is neither a GPT-2 ({'; '.join(gpt2)}) nor a Llama ({'; '.join(llama)})")
 
 
 def gpt2_config(config: ModelConfig, eot_id: int | None = None) -> dict[str, Any]:
@@ -163,7 +196,8 @@ def _expected_shapes(config: ModelConfig) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = GPT(config)
     state = model.state_dict()
-    state.pop(HEAD)  # tied: the embedding holds it
+    if config.tied:
+        state.pop(HEAD)  # the embedding holds it
     return {name: tensor.shape for name, tensor in state.items()}
 
 
@@ -277,7 +311,7 @@ def _last_merge(token: bytes, ranks: Mapping[bytes, int]) -> tuple[bytes, bytes]
 
 def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str | None:
     """Tokenizers JSON that encodes like a saved gptlab tokenizer; None for char and byte."""
-    if tokenizer["kind"] == "bpe":
+    if tokenizer["kind"] in ("bpe", ImportedTokenizer.kind):
         return tokenizer["json"]
     if tokenizer["kind"] == "gpt2":
         # tokenizer.py's loader, for its error message that says how to get tiktoken's files
@@ -318,11 +352,30 @@ def read_hf_tokenizer(hf_dir: Path, vocab_size: int) -> tuple[dict[str, Any], st
     return tokenizer.to_dict(), f"tokenizer from {source}: {tokenizer.vocab_size} ids (bpe kind)"
 
 
-def _tokenizer_config(eot_id: int | None, block_size: int) -> dict[str, Any]:
+def _tokenizer_config(eot: str | None, bos: str | None, block_size: int) -> dict[str, Any]:
     """tokenizer_config.json: the generic fast tokenizer over tokenizer.json, decoding text unchanged."""
-    special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT} if eot_id is not None else {}
+    special = {"bos_token": bos, "eos_token": eot, "unk_token": eot} if eot is not None else {}
     return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
             "clean_up_tokenization_spaces": False, **special}
+
+
+def read_llama_tokenizer(hf_dir: Path, hf_config: Mapping[str, Any],
+                         vocab_size: int) -> tuple[dict[str, Any], str]:
+    """An imported model's tokenizer.json as an `hf` tokenizer, with the ids its config.json gives."""
+    if not (hf_dir / "tokenizer.json").is_file():
+        raise ValueError(f"{hf_dir} has no tokenizer.json: save the tokenizer beside the model "
+                         "(tokenizer.save_pretrained) and import again")
+
+    def first(value: Any) -> int | None:  # eos_token_id may be a list: generation stops at any of them
+        return value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
+
+    tokenizer = ImportedTokenizer((hf_dir / "tokenizer.json").read_text(encoding="utf-8"),
+                                  first(hf_config.get("eos_token_id")), first(hf_config.get("bos_token_id")))
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer in {hf_dir} has {tokenizer.vocab_size} ids but the model only "
+                         f"{vocab_size}: the tokenizer files belong to another model")
+    ends = "no end-of-sequence id" if tokenizer.eot_id is None else f"end of sequence {tokenizer.eot_id}"
+    return tokenizer.to_dict(), f"tokenizer from tokenizer.json: {tokenizer.vocab_size} ids, {ends} (hf kind)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,29 +390,43 @@ def _new_folder(out_dir: str | Path) -> Path:
 
 
 def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
-    """Write a run's best checkpoint as a folder that `GPT2LMHeadModel.from_pretrained` loads.
+    """Write a run's best checkpoint as a folder that `transformers` loads: GPT2LMHeadModel, or
+    LlamaForCausalLM / Qwen2ForCausalLM for a Llama-shaped model (`export_family`).
 
-    With a bpe or gpt2 tokenizer the folder also holds tokenizer files for `AutoTokenizer`.
+    With a bpe, gpt2 or hf tokenizer the folder also holds tokenizer files for `AutoTokenizer`.
     Everything is computed before the first file is written.
     """
     from tokenizers import Tokenizer as HFTokenizer
 
     checkpoint = load_checkpoint(run)
     config = checkpoint.model_config
-    require_architecture(architecture(config), run, "decoder")  # GPT-2 is a decoder-only model
-    check_exportable(config)
+    require_architecture(architecture(config), run, "decoder")  # both families are decoder-only
+    family = export_family(config)
     out_dir = _new_folder(out_dir)
-    tensors = to_gpt2_state(checkpoint.model_state, config)
     tokenizer_json = hf_tokenizer_json(checkpoint.tokenizer)
-    eot_id = HFTokenizer.from_str(tokenizer_json).token_to_id(EOT) if tokenizer_json else None
-    texts = {"config.json": json.dumps(gpt2_config(config, eot_id), indent=2) + "\n"}
+    hf_tokenizer = HFTokenizer.from_str(tokenizer_json) if tokenizer_json else None
+    if checkpoint.tokenizer["kind"] == ImportedTokenizer.kind:  # the imported model's own ids
+        eot_id, bos_id = checkpoint.tokenizer.get("eos_id"), checkpoint.tokenizer.get("bos_id")
+    else:
+        eot_id = hf_tokenizer.token_to_id(EOT) if hf_tokenizer else None
+        bos_id = eot_id if family == "gpt2" else None
+    if family == "gpt2":
+        tensors = to_gpt2_state(checkpoint.model_state, config)
+        hf_config = gpt2_config(config, eot_id)
+    else:
+        tensors = to_llama_state(checkpoint.model_state, config, _expected_shapes(config))
+        hf_config = llama_config(config, bos_id, eot_id)
+    texts = {"config.json": json.dumps(hf_config, indent=2) + "\n"}
     notes = []
-    if tokenizer_json is None:
+    if hf_tokenizer is None:
         notes.append(f"the {checkpoint.tokenizer['kind']} tokenizer has no Hugging Face equivalent: "
                      "only the weights are exported")
     else:
-        texts["tokenizer.json"] = tokenizer_json
-        texts["tokenizer_config.json"] = json.dumps(_tokenizer_config(eot_id, config.block_size), indent=2)
+        token = {name: None if i is None else hf_tokenizer.id_to_token(i) for name, i in (("eos", eot_id),
+                                                                                       ("bos", bos_id))}
+        texts["tokenizer.json"] = tokenizer_json  # type: ignore[assignment]
+        texts["tokenizer_config.json"] = json.dumps(
+            _tokenizer_config(token["eos"], token["bos"], config.block_size), indent=2)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "model.safetensors",
                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
@@ -368,7 +435,7 @@ def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
     return Conversion(out_dir, ["model.safetensors", *texts], notes)
 
 
-def read_gpt2_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
+def read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
     """The tensors of a folder's model.safetensors, else of its pytorch_model.bin (no code run on load)."""
     safetensors_file, pickle_file = hf_dir / "model.safetensors", hf_dir / "pytorch_model.bin"
     if not safetensors_file.is_file() and not pickle_file.is_file():
@@ -387,13 +454,23 @@ def read_gpt2_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
-    """Read a local GPT-2 folder into a gptlab run folder (best.safetensors and config.json)."""
+    """Read a local GPT-2, Llama or Qwen2 folder into a gptlab run folder (best.safetensors, config.json)."""
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} holds no config.json: give a folder written by save_pretrained")
-    config = model_config_from_gpt2(json.loads((hf_dir / "config.json").read_text(encoding="utf-8")))
-    tensors, skipped = from_gpt2_state(read_gpt2_tensors(hf_dir), config)
-    tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
+    hf_config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    family = hf_config.get("model_type", "gpt2") if isinstance(hf_config, dict) else None
+    if family == "gpt2":
+        config = model_config_from_gpt2(hf_config)
+        tensors, skipped = from_gpt2_state(read_tensors(hf_dir), config)
+        tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
+    elif family in FAMILIES:
+        config = model_config_from_llama(hf_config)
+        tensors, skipped = from_llama_state(read_tensors(hf_dir), config, _expected_shapes(config))
+        tokenizer, note = read_llama_tokenizer(hf_dir, hf_config, config.vocab_size)
+    else:
+        raise ValueError(f"{hf_dir / 'config.json'} has model_type={family!r}: gptlab imports gpt2, "
+                         f"{', '.join(FAMILIES)}")
     out_dir = _new_folder(out_dir)
     state = {"step": 0, "imported_from": str(hf_dir)}
     save_checkpoint(out_dir / BEST, Checkpoint(config, tokenizer, tensors, state=state))
@@ -401,8 +478,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
     atomic_write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
     notes = [note]
     if skipped:
-        notes.append(f"skipped {len(skipped)} causal-mask buffers (such as {skipped[0]}), which are not "
-                     "weights: gptlab builds its mask from the config")
+        what = "causal-mask" if family == "gpt2" else "rotary-frequency"
+        notes.append(f"skipped {len(skipped)} {what} buffers (such as {skipped[0]}), which are not weights: "
+                     "gptlab builds them from the config")
     return Conversion(out_dir, [BEST, "config.json"], notes)
 
 
@@ -411,25 +489,38 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
 
 
 def to_transformers(model: GPT) -> Any:
-    """A `transformers` GPT2LMHeadModel in eval mode with this model's weights (needs the hf extra)."""
+    """A `transformers` model in eval mode with this model's weights (needs the hf extra): GPT2LMHeadModel,
+    LlamaForCausalLM or Qwen2ForCausalLM, as `export_family` decides."""
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import transformers
     except ImportError:
         raise ValueError("to_transformers needs transformers: pip install 'gptlab[hf]'") from None
-    check_exportable(model.config)
-    values = gpt2_config(model.config)
-    del values["architectures"], values["model_type"]
-    hf = GPT2LMHeadModel(GPT2Config(**values))
-    missing, unexpected = hf.load_state_dict(to_gpt2_state(model_tensors(model), model.config), strict=False)
+    config = model.config
+    family = export_family(config)
+    if family == "gpt2":
+        values = gpt2_config(config)
+        state = to_gpt2_state(model_tensors(model), config)
+    else:
+        values = llama_config(config, None, None)
+        state = to_llama_state(model_tensors(model), config, _expected_shapes(config))
+    architecture = values.pop("architectures")[0]
+    hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    hf = getattr(transformers, architecture)(hf_config)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {HEAD}, f"missing {missing}, unexpected {unexpected}"
     return hf.to(next(model.parameters()).device).eval()
 
 
 def from_transformers(hf_model: Any) -> GPT:
-    """A gptlab GPT in eval mode with the weights of a `transformers` GPT2LMHeadModel."""
-    config = model_config_from_gpt2(hf_model.config.to_dict())
-    tensors, _ = from_gpt2_state(hf_model.state_dict(), config)
+    """A gptlab GPT in eval mode with the weights of a `transformers` GPT-2, Llama or Qwen2 model."""
+    values = hf_model.config.to_dict()
+    if values.get("model_type") in FAMILIES:
+        config = model_config_from_llama(values)
+        tensors, _ = from_llama_state(hf_model.state_dict(), config, _expected_shapes(config))
+    else:
+        config = model_config_from_gpt2(values)
+        tensors, _ = from_gpt2_state(hf_model.state_dict(), config)
     model = GPT(config)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
-    assert not unexpected and missing == [HEAD], f"missing {missing}, unexpected {unexpected}"
+    assert not unexpected and set(missing) <= {HEAD}, f"missing {missing}, unexpected {unexpected}"
     return model.eval()

@@ -238,7 +238,11 @@ def check_two_heads() -> list[Check]:
 
 @_seeded(42)
 def check_fused_projection() -> list[Check]:
-    """§4.2: one fused projection is three projections; fused heads equal separate heads concatenated."""
+    """§4.2: one fused projection is three projections; fused heads equal separate heads concatenated.
+
+    Also with grouped key/value heads (n_kv_head < H, a departure from §4), where query head h reads
+    key/value head h // (H / n_kv_head).
+    """
     s = "§4.2"
     B, T, D, H = 2, 5, 8, 2
     x = torch.randn(B, T, D)
@@ -256,6 +260,12 @@ def check_fused_projection() -> list[Check]:
                                  "(B, H, T, T) = (2, 2, 5, 5)", str(shape)))
         results.append(close(s, f"separate heads concatenated equal the module ({kernel})", module, heads,
                              1e-6, "c_proj(cat([h(x) for h in heads]))"))
+        for n_kv_head in (2, 1):  # four query heads in pairs, then all on one key/value head
+            torch.manual_seed(420)
+            config = ModelConfig(n_embd=D, n_head=4, n_kv_head=n_kv_head, block_size=8, attention=kernel)
+            *_, (module, heads) = fused_and_separate(M.CausalSelfAttention(config), x)
+            results.append(close(s, f"grouped heads, H=4, n_kv_head={n_kv_head} ({kernel})", module, heads,
+                                 1e-6, "query head h on key/value head h // (H / n_kv_head)"))
     return results
 
 

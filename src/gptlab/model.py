@@ -76,23 +76,34 @@ def visible_keys(queries: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor |
     return future_hidden if mask is None else mask & future_hidden
 
 
-# Every kernel maps queries (B, H, Tq, hs), keys and values (B, H, Tk, hs), a boolean mask (None or
-# broadcastable to (B, H, Tq, Tk)) and `causal` to the outputs (B, H, Tq, hs).
+# Every kernel maps queries (B, H, Tq, hs), keys and values (B, Hkv, Tk, hs) with Hkv dividing H, a
+# boolean mask (None or broadcastable to (B, H, Tq, Tk)) and `causal` to the outputs (B, H, Tq, hs).
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool], torch.Tensor]
+
+
+def shared_keys(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Grouped-query attention: key/value heads (B, Hkv, T, hs) repeated for their H / Hkv query heads.
+
+    Query head h reads key/value head h // (H / Hkv), so consecutive query heads share one.
+    """
+    groups = n_head // x.size(1)
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)  # (B, H, T, hs)
 
 
 def naive_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                  causal: bool) -> torch.Tensor:
     """Explicit scores, mask, softmax, weights @ values; stores all B*H*Tq*Tk weights."""
+    k, v = shared_keys(k, q.size(1)), shared_keys(v, q.size(1))
     return attention(q, k, v, visible_keys(q, k, mask, causal))[0]
 
 
 def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> torch.Tensor:
     """PyTorch's fused kernel: the same function, without materialising the weights."""
+    gqa = k.size(1) != q.size(1)  # grouped heads: the kernel pairs them as shared_keys does
     if mask is None and q.size(-2) == k.size(-2):  # is_causal aligns its mask to the first positions
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible_keys(q, k, mask, causal))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible_keys(q, k, mask, causal), enable_gqa=gqa)
 
 
 KERNELS: dict[str, Kernel] = {"naive": naive_kernel, "sdpa": sdpa_kernel}
@@ -252,12 +263,17 @@ def merge_heads(y: torch.Tensor) -> torch.Tensor:
 
 
 class CausalSelfAttention(nn.Module):
-    """H heads of width hs = D / H, each with its own routing; outputs concatenated, then W_O."""
+    """H heads of width hs = D / H, each with its own routing; outputs concatenated, then W_O.
+
+    With n_kv_head = Hkv < H (grouped-query attention) W_K and W_V make only Hkv heads, each shared
+    by H / Hkv query heads; the KV cache then holds Hkv heads.
+    """
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # [W_Q W_K W_V]
+        self.n_head, self.n_kv_head, hs = config.n_head, config.kv_heads, config.head_size
+        self.widths = [self.n_head * hs, self.n_kv_head * hs, self.n_kv_head * hs]  # of Q, K and V
+        self.c_attn = nn.Linear(config.n_embd, sum(self.widths), bias=config.attn_bias)  # [W_Q W_K W_V]
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
         self.rotate = POSITIONS[config.positions][1](config)  # RoPE turns queries and keys; others pass
         self.kernel = KERNELS[config.attention]
@@ -268,9 +284,10 @@ class CausalSelfAttention(nn.Module):
     def project(
         self, x: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, keys and values of every head, each (B, H, T, hs), as in §4.2."""
-        q, k, v = self.c_attn(x).split(x.size(-1), dim=2)  # 3 x (B, T, D): one matmul, three groups
-        q, k, v = (split_heads(t, self.n_head) for t in (q, k, v))  # (B, H, T, hs) each
+        """Queries (B, H, T, hs), keys and values (B, Hkv, T, hs) of every head, as in §4.2."""
+        q, k, v = self.c_attn(x).split(self.widths, dim=2)  # one matmul, three groups
+        q = split_heads(q, self.n_head)  # (B, H, T, hs)
+        k, v = split_heads(k, self.n_kv_head), split_heads(v, self.n_kv_head)  # (B, Hkv, T, hs) each
         return self.rotate(q, positions), self.rotate(k, positions), v
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
@@ -279,7 +296,7 @@ class CausalSelfAttention(nn.Module):
         x holds only the new tokens, whose queries see every held key under the cache's own mask."""
         q, k, v = self.project(x, None if cache is None else cache.positions)
         if cache is not None:  # the cache's mask already holds causality, padding and the window
-            k, v = cache.update(self.layer, k, v)  # (B, H, S, hs) each
+            k, v = cache.update(self.layer, k, v)  # (B, Hkv, S, hs) each
             mask = cache.mask  # (B, 1, T, S), or None when every query sees every held key
         y = self.kernel(q, k, v, mask, self.causal and cache is None)  # (B, H, T, hs)
         return self.c_proj(merge_heads(y))
@@ -287,6 +304,7 @@ class CausalSelfAttention(nn.Module):
     def attention_weights(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The weights a of every head, (B, H, T, T), recomputed explicitly whatever the kernel."""
         q, k, _ = self.project(x)
+        k = shared_keys(k, self.n_head)  # (B, H, T, hs)
         return masked_softmax(attention_scores(q, k), visible_keys(q, k, mask, self.causal))
 
 
@@ -424,7 +442,8 @@ def parameter_count(config: ModelConfig) -> dict[str, int]:
     D, F_, V, L = config.n_embd, config.ffn_hidden, config.vocab_size, config.n_layer
     bias = int(config.bias)
     norm = {"layernorm": D + bias * D, "rmsnorm": D, "none": 0}[config.norm]
-    attention = 3 * D * D + D * D + bias * (3 * D + D)  # W_QKV and W_O
+    qkv = D + 2 * config.kv_heads * config.head_size  # widths of Q, K and V: 3D unless heads are grouped
+    attention = D * qkv + D * D + int(config.attn_bias) * qkv + bias * D  # W_QKV and W_O
     if config.ffn == "swiglu":
         ffn = 3 * D * F_ + bias * (2 * F_ + D)
     else:

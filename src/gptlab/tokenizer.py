@@ -5,6 +5,8 @@ Four kinds, from the simplest to GPT-2's own:
 - `byte`: the 256 UTF-8 byte values, so any text can be encoded;
 - `bpe`: byte-level BPE trained on the corpus with Hugging Face `tokenizers` (GPT-2's scheme, our merges);
 - `gpt2`: GPT-2's own 50257-token encoding through `tiktoken`, when its files are cached locally.
+A fifth, `hf`, is never trained: it is an imported model's own `tokenizer.json` (Llama family), kept as
+it is, with that model's end-of-sequence id.
 
 `to_dict()` gives a JSON-serialisable dict that `tokenizer_from_dict` turns back into the same
 tokenizer, so a checkpoint decodes its samples without the corpus it was trained on.
@@ -193,6 +195,40 @@ class BPETokenizer(Tokenizer):
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "json": self._hf.to_str()}
+
+
+class ImportedTokenizer(Tokenizer):
+    """An imported model's own Hugging Face tokenizer (`tokenizer.json`), encoding as AutoTokenizer does.
+
+    A prompt gets what the tokenizer's post-processor adds (a BOS for TinyLlama, nothing for SmolLM2
+    or Qwen2); corpus text (`encode_array`) is one stream and gets none. `eot_id` is the model's
+    end-of-sequence id, read from its config when it was imported.
+    """
+
+    kind = "hf"
+
+    def __init__(self, hf_json: str, eos_id: int | None, bos_id: int | None = None) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._hf = HFTokenizer.from_str(hf_json)
+        except Exception as exc:  # tokenizers raises a bare Exception for JSON it cannot read
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise DamagedTokenizerError(f"saved hf tokenizer's JSON is damaged ({reason})") from exc
+        self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
+        self.eot_id, self.bos_id = eos_id, bos_id  # the model's own ids, as its config gave them
+
+    def encode(self, text: str) -> list[int]:
+        return self._hf.encode(text).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(self._checked_ids(ids), skip_special_tokens=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "json": self._hf.to_str(), "eos_id": self.eot_id, "bos_id": self.bos_id}
 
 
 class GPT2Tokenizer(Tokenizer):
@@ -391,10 +427,11 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
     GPT-2's files; without them it is a plain ValueError that says how to get them.
     """
     kind = d.get("kind") if isinstance(d, dict) else None
-    if kind not in (*TOKENIZERS, SymbolTokenizer.kind):
-        known = ", ".join((*TOKENIZERS, SymbolTokenizer.kind))
+    if kind not in (*TOKENIZERS, SymbolTokenizer.kind, ImportedTokenizer.kind):
+        known = ", ".join((*TOKENIZERS, SymbolTokenizer.kind, ImportedTokenizer.kind))
         raise DamagedTokenizerError(f"not a saved tokenizer: kind={kind!r} is not one of {known}")
-    fields = {"char": {"chars": str}, "bpe": {"json": str}, "symbols": {"specials": list, "chars": str}}
+    fields = {"char": {"chars": str}, "bpe": {"json": str}, "hf": {"json": str},
+              "symbols": {"specials": list, "chars": str}}
     for field, field_type in fields.get(kind, {}).items():
         value = d.get(field)
         if not isinstance(value, field_type) or not all(isinstance(s, str) for s in value):
@@ -411,4 +448,10 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
         raise DamagedTokenizerError(f"saved {kind} tokenizer is damaged: {exc}") from exc
     if kind == "bpe":
         return BPETokenizer(d["json"])
+    if kind == ImportedTokenizer.kind:
+        ids = {name: d.get(name) for name in ("eos_id", "bos_id")}
+        for name, value in ids.items():
+            if value is not None and not isinstance(value, int):
+                raise DamagedTokenizerError(f"saved hf tokenizer's {name}={value!r} is not an integer")
+        return ImportedTokenizer(d["json"], ids["eos_id"], ids["bos_id"])
     return ByteTokenizer() if kind == "byte" else GPT2Tokenizer()

@@ -1,4 +1,4 @@
-"""The export-hf / import-hf commands: convert runs to and from Hugging Face GPT-2 folders."""
+"""The export-hf / import-hf commands: runs to and from Hugging Face GPT-2 and Llama-family folders."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ from typing import Any
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    """Write a run as a Hugging Face GPT-2 folder."""
+    """Write a run as a Hugging Face GPT-2, Llama or Qwen2 folder."""
     from gptlab.convert import export_hf
 
     result = export_hf(args.run, args.out_dir)
-    loader = f"transformers.GPT2LMHeadModel.from_pretrained({str(result.out_dir)!r})"
+    loader = f"transformers.AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r})"
     report_conversion(result, f"load it with {loader}")
     return 0
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
-    """Read a local Hugging Face GPT-2 folder into a gptlab run folder."""
+    """Read a local Hugging Face GPT-2, Llama or Qwen2 folder into a gptlab run folder."""
     from gptlab.convert import import_hf
 
     result = import_hf(args.hf_dir, args.out_dir)
@@ -34,23 +34,27 @@ def report_conversion(result: Any, next_step: str) -> None:
 
 
 def add_hf_commands(sub: Any) -> None:
-    """The export-hf / import-hf commands (Hugging Face GPT-2 folders)."""
+    """The export-hf / import-hf commands (Hugging Face GPT-2 and Llama-family folders)."""
     ex = sub.add_parser(
-        "export-hf", help="write a run as a Hugging Face GPT-2 folder",
+        "export-hf", help="write a run as a Hugging Face GPT-2, Llama or Qwen2 folder",
         description="Write a run's best checkpoint as OUT_DIR/config.json and model.safetensors, which "
-        "transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR) loads, plus tokenizer files for "
-        "AutoTokenizer when the run used the bpe or gpt2 tokenizer. Only GPT-2-shaped models export "
-        "(learned positions, layernorm, gelu, pre-norm, tied head, biases).",
+        "transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads, plus tokenizer files for "
+        "AutoTokenizer when the run used the bpe, gpt2 or an imported tokenizer. GPT-2-shaped models "
+        "(learned positions, layernorm, gelu, pre-norm, tied head, biases) export as GPT2LMHeadModel; "
+        "Llama-shaped ones (rope, rmsnorm, swiglu, pre-norm, no biases, any n_kv_head, tied or not) as "
+        "LlamaForCausalLM, or Qwen2ForCausalLM with --qkv-bias.",
     )
     ex.add_argument("run", help="run folder or checkpoint file")
     ex.add_argument("out_dir", help="new or empty folder to write")
     ex.set_defaults(func=cmd_export_hf)
 
     im = sub.add_parser(
-        "import-hf", help="read a local Hugging Face GPT-2 folder into a run folder",
+        "import-hf", help="read a local Hugging Face GPT-2, Llama or Qwen2 folder into a run folder",
         description="Read HF_DIR (config.json with model.safetensors or pytorch_model.bin, and "
-        "tokenizer.json or vocab.json + merges.txt) into a gptlab run folder that sample, eval and "
-        "the other commands accept. Nothing is downloaded.",
+        "tokenizer.json, or for GPT-2 vocab.json + merges.txt) into a gptlab run folder that sample, eval "
+        "and the other commands accept. model_type gpt2, llama (SmolLM2, TinyLlama) and qwen2 (Qwen2.5) "
+        "are read; rope scaling, sliding windows and experts are refused with every such field named. "
+        "Nothing is downloaded.",
     )
     im.add_argument("hf_dir", help="folder written by save_pretrained")
     im.add_argument("out_dir", help="new or empty run folder to write")

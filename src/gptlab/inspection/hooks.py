@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from gptlab.model import GPT, CausalSelfAttention, attention_scores, causal_mask, masked_softmax
+from gptlab.model import GPT, CausalSelfAttention, attention_scores, causal_mask, masked_softmax, shared_keys
 
 HookFn = Callable[[torch.Tensor, str], "torch.Tensor | None"]
 
@@ -72,7 +72,8 @@ def recompute_attention(
     attn: CausalSelfAttention, x: torch.Tensor, heads: Sequence[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scores and weights (B, H', T, T) of the chosen heads (default all) from attention's input (B, T, D)."""
-    q, k, _ = attn.project(x)  # (B, H, T, hs) each, positions 0 .. T-1 as in a forward without a cache
+    q, k, _ = attn.project(x)  # positions 0 .. T-1 as in a forward without a cache
+    k = shared_keys(k, attn.n_head)  # (B, H, T, hs): a grouped key head once per query head it serves
     if heads is not None:
         q, k = q[:, list(heads)], k[:, list(heads)]  # (B, H', T, hs)
     scores = attention_scores(q, k)  # (B, H', T, T)
