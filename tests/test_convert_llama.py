@@ -162,3 +162,33 @@ def test_every_unsupported_field_in_one_message() -> None:
     with pytest.raises(ValueError) as err:
         model_config_from_llama(values)
     assert all(field in str(err.value) for field in ("use_sliding_window", "rope_scaling", "num_experts"))
+
+
+@pytest.mark.slow
+def test_every_tool_runs_on_an_imported_llama(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """sample, eval, attention, ablate, intervene, verify and fine-tuning with --init-from, on a
+    grouped-query Llama imported from a save_pretrained folder."""
+    hf_model("llama", 4, 2, False, 300).save_pretrained(tmp_path / "hf")
+    tokenizer_folder(tmp_path / "hf")
+    run = str(tmp_path / "run")
+    assert main(["import-hf", str(tmp_path / "hf"), run]) == 0
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")[:6000]
+    (tmp_path / "text.txt").write_text(text, encoding="utf-8")
+    prompt = ["--prompt", "Train a small model"]
+    commands = [
+        ["sample", run, *prompt, "--max-new-tokens", "8"],
+        ["eval", run, "--data", str(tmp_path / "text.txt")],
+        ["attention", run, *prompt, "--out", str(tmp_path / "attention.png")],
+        ["ablate", run, *prompt, "--out", str(tmp_path / "ablation.png")],
+        ["intervene", run, *prompt, "--drop", "1"],
+        ["verify", run],
+        ["train", "--data", str(tmp_path / "text.txt"), "--init-from", run, "--out", str(tmp_path / "tuned"),
+         "--max-steps", "3", "--batch-size", "2", "--eval-interval", "3", "--eval-batches", "1", "--no-progress"],
+    ]
+    for argv in commands:
+        assert main(argv) == 0, argv
+    output = capsys.readouterr().out
+    assert "perplexity" in output and "failed" in output and "0 failed" in output
+    assert (tmp_path / "attention.png").stat().st_size > 0 and (tmp_path / "ablation.png").stat().st_size > 0
+    tuned = load_checkpoint(tmp_path / "tuned")
+    assert tuned.model_config.kv_heads == 2 and tuned.tokenizer["kind"] == "hf"
