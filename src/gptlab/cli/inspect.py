@@ -8,6 +8,8 @@ from typing import Any
 
 from gptlab.cli.common import add_device_option
 
+DTYPES = ("float32", "bfloat16")  # weight precisions for running a trained model
+
 
 def load_prompt(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     """The model and tokenizer of `args.run` on `args.device`, and the token ids of `args.prompt`."""
@@ -107,6 +109,10 @@ def cmd_intervene(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """Measure the handout's properties on a trained model; non-zero exit if any fails."""
+    import copy
+
+    import torch
+
     from gptlab.checkpoint import architecture, load_checkpoint
     from gptlab.checks import failed
     from gptlab.common import resolve_device
@@ -116,8 +122,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # Only the weights: the checks use random token ids, so a run needs no working tokenizer here.
     checkpoint = load_checkpoint(args.run)
     model = checkpoint.build_model().to(resolve_device(args.device)).eval()
-    check = verify_seq2seq if architecture(checkpoint.model_config) == "encoder-decoder" else verify_model
-    properties = check(model, seed=args.seed)
+    if architecture(checkpoint.model_config) == "encoder-decoder":
+        properties = verify_seq2seq(model, seed=args.seed)
+    elif args.dtype == "float32":
+        properties = verify_model(model, seed=args.seed)
+    else:  # the properties on the reduced-precision model, and its logits against float32
+        reduced = copy.deepcopy(model).to(getattr(torch, args.dtype))
+        properties = verify_model(reduced, seed=args.seed, reference=model)
     width = max(len(p.name) for p in properties)
     print(f"{'result':<6} {'section':<7} {'property':<{width}} {'deviation':>10} {'tolerance':>10}  note")
     for p in properties:
@@ -187,4 +198,7 @@ def add_inspect_commands(sub: Any) -> None:
                  "target position reading every source token, cached = recomputed decoding, tying. Exits "
                  "1 if any fails.", prompt=False)
     ve.add_argument("--seed", type=int, default=0, help="seed of the random test prompts (default 0)")
+    ve.add_argument("--dtype", choices=DTYPES, default="float32",
+                    help="check the model in this precision; bfloat16 adds its logits' difference to "
+                    "float32, and tolerances follow the dtype's epsilon (default float32)")
     ve.set_defaults(func=cmd_verify)

@@ -93,8 +93,26 @@ def check_permutation(model: GPT, idx: torch.Tensor, generator: torch.Generator,
                                           note="checked on a copy with causal=False")
 
 
-def verify_model(model: GPT, seed: int = 0, length: int = 32) -> list[checks.Check]:
-    """Measure every property on `model` with random prompts of up to `length` tokens (in eval mode)."""
+def check_precision(model: GPT, reference: GPT | None, idx: torch.Tensor, eps: float) -> checks.Check:
+    """Logits of a reduced-precision model (bfloat16 weights) against the same weights in float32."""
+    name = "reduced precision: logits vs float32"
+    if reference is None:
+        return checks.Check("-", name, None, note="the model runs in float32")
+    with evaluating(reference):
+        expected = reference(idx)[0]
+    got = model(idx)[0].float()
+    agree = (got.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    return checks.close("-", name, got, expected, checks.relative(eps),
+                        note=f"top-1 token agrees at {agree:.0%} of positions")
+
+
+def verify_model(model: GPT, seed: int = 0, length: int = 32,
+                 reference: GPT | None = None) -> list[checks.Check]:
+    """Measure every property on `model` with random prompts of up to `length` tokens (in eval mode).
+
+    `reference`, the same weights in float32 when `model` runs in a lower precision, adds the logit
+    difference between the two.
+    """
     with evaluating(model) as eps:
         generator = torch.Generator().manual_seed(seed)
         V, T = model.config.vocab_size, min(length, model.config.block_size)
@@ -108,4 +126,5 @@ def verify_model(model: GPT, seed: int = 0, length: int = 32) -> list[checks.Che
             check_projections(model, idx, eps),
             checks.tied_head(model.config.tied, model.lm_head.weight, model.transformer.wte.weight),
             check_permutation(model, idx, generator, eps),
+            check_precision(model, reference, idx, eps),
         ]
