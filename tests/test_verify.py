@@ -3,6 +3,7 @@ on a model built or edited to break it, through the library and the `gptlab veri
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -100,3 +101,13 @@ def test_verify_command_exit_status(trained_run: Path, tmp_path: Path, capsys: p
     assert any(line.startswith("FAIL   §7.1") and "not causal" in line for line in lines)
     assert "2 failed" in lines[-1]
 
+
+
+def test_bfloat16_verify_reports_the_difference_to_float32(trained_run: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    model = load_run(trained_run)[0]
+    found = by_name(verify_model(copy.deepcopy(model).to(torch.bfloat16), reference=model))
+    precision = found["reduced precision: logits vs float32"]
+    assert precision.passed and 0 < precision.deviation < 1  # rounded weights: a small difference, never none
+    assert main(["verify", str(trained_run), "--dtype", "bfloat16"]) == 0
+    assert "logits vs float32" in capsys.readouterr().out
