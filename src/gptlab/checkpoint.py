@@ -199,21 +199,27 @@ def require_architecture(found: str, path: str | Path, expect: str) -> None:
 
 
 def load_run(
-    path: str | Path, device: torch.device | str = "cpu", prefer: str = BEST, expect: str = "decoder"
+    path: str | Path, device: torch.device | str = "cpu", prefer: str = BEST, expect: str = "decoder",
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[GPT | EncoderDecoder, Tokenizer]:
-    """The model (in eval mode, on `device`) and tokenizer of a run folder or checkpoint file.
+    """The model (in eval mode, on `device`, its weights in `dtype`) and tokenizer of a run folder or
+    checkpoint file.
 
     `expect` names the architecture the caller can use; another one is a ValueError saying what to run.
     """
     checkpoint = load_checkpoint(path, prefer)
-    return inference_model(checkpoint, path, device, expect), checkpoint.load_tokenizer()
+    return inference_model(checkpoint, path, device, expect, dtype), checkpoint.load_tokenizer()
 
 
 def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = "cpu",
-                    expect: str = "decoder") -> GPT | EncoderDecoder:
-    """The checkpoint's model in eval mode on `device` (in the decoding layout on the CPU)."""
+                    expect: str = "decoder", dtype: torch.dtype = torch.float32) -> GPT | EncoderDecoder:
+    """The checkpoint's model in eval mode on `device` (in the decoding layout on the CPU).
+
+    bfloat16 weights halve the memory a step reads; the logits then differ from float32 a little
+    (`gptlab verify RUN --dtype bfloat16` measures how much).
+    """
     require_architecture(architecture(checkpoint.model_config), path, expect)
-    model = checkpoint.build_model().to(device).eval()
+    model = checkpoint.build_model().to(device=device, dtype=dtype).eval()
     if next(model.parameters()).device.type == "cpu":  # faster batch-1 decoding, the same logits
         decoding_layout(model)
     return model
