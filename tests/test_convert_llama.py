@@ -183,7 +183,8 @@ def test_every_tool_runs_on_an_imported_llama(tmp_path: Path, capsys: pytest.Cap
         ["intervene", run, *prompt, "--drop", "1"],
         ["verify", run],
         ["train", "--data", str(tmp_path / "text.txt"), "--init-from", run, "--out", str(tmp_path / "tuned"),
-         "--max-steps", "3", "--batch-size", "2", "--eval-interval", "3", "--eval-batches", "1", "--no-progress"],
+         "--max-steps", "3", "--batch-size", "2", "--eval-interval", "3", "--eval-batches", "1",
+         "--no-progress"],
     ]
     for argv in commands:
         assert main(argv) == 0, argv
