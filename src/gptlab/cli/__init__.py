@@ -18,6 +18,7 @@ from gptlab.cli.common import TqdmHandler
 from gptlab.cli.hf import add_hf_commands
 from gptlab.cli.inspect import add_inspect_commands
 from gptlab.cli.seq2seq import add_seq2seq_commands
+from gptlab.cli.serve import add_serve_command
 from gptlab.cli.text import add_data_commands, add_model_commands
 
 EXIT_USAGE = 2
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_hf_commands(sub)
     add_inspect_commands(sub)
     add_seq2seq_commands(sub)
+    add_serve_command(sub)
     return parser
 
 

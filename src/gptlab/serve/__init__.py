@@ -1,0 +1,12 @@
+"""`gptlab serve`: an OpenAI-compatible HTTP server and a browser playground for a trained run.
+
+- `batching`: the continuous-batching scheduler. One decode thread owns the model; a request joins
+  the running batch at the next step, and each row samples with its own generator, so it gets the
+  tokens `generate` gives for its prompt alone with the same `SamplingConfig`.
+- `schemas`: the OpenAI request bodies, validated into `SamplingConfig`, and OpenAI-style errors.
+- `app`: the ASGI application (FastAPI): `/v1/models`, `/v1/completions` (streamed or not),
+  `/v1/attention` for the playground, and the playground page at `/` (`page`).
+
+FastAPI and uvicorn come with the optional extra `gptlab[serve]`; nothing here imports them at the
+package level, so `gptlab` works without them.
+"""

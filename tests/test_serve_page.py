@@ -1,0 +1,104 @@
+"""The playground page of `gptlab serve` in a real headless Chromium, against a real server: type a prompt,
+press Generate, read the streamed tokens from the page, click one for its alternatives and attention."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from gptlab.checkpoint import load_run  # noqa: E402
+from gptlab.config import SamplingConfig  # noqa: E402
+from gptlab.inspection import attention_maps  # noqa: E402
+from gptlab.serve.app import create_app  # noqa: E402
+from test_serve import Live, alone, start_server  # noqa: E402
+
+if TYPE_CHECKING:
+    from browser import Chromium
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SPANS = "Array.from(document.querySelectorAll('{}')).map(s => {})"  # one value per element shown
+
+
+@pytest.fixture
+def live(trained_run: Path) -> Iterator[tuple[str, object]]:
+    model, tokenizer = load_run(trained_run)
+    app = create_app(model, tokenizer, "tiny")
+    url, server, thread = start_server(app)
+    yield url, app.state.served
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def open_url(browser: Chromium, url: str) -> None:
+    """Open a page by URL in a new target (browser.open takes files) and wait until it has loaded."""
+    target = browser.call("Target.createTarget", url=url)["targetId"]
+    browser.session = browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+    browser.call("Runtime.enable")
+    loaded = f"document.readyState === 'complete' && location.href === {json.dumps(url)}"
+    for _ in range(200):
+        if browser.js(loaded):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not finish loading")
+
+
+def click(browser: Chromium, selector: str) -> None:
+    """Press and release the mouse over the middle of an element, as a reader would."""
+    box = json.loads(browser.js(f"JSON.stringify(document.querySelector({json.dumps(selector)})"
+                                ".getBoundingClientRect())"))
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    for kind in ("mousePressed", "mouseReleased"):
+        browser.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+
+def wait_until(browser: Chromium, expression: str, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not browser.js(expression):
+        assert time.monotonic() < deadline, f"timed out waiting for {expression}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # starts a headless Chromium
+def test_playground_streams_tokens_and_shows_alternatives_and_attention(live: tuple,
+                                                                         browser: Chromium) -> None:
+    url, served = live
+    open_url(browser, url + "/")
+    browser.js("document.getElementById('prompt').value = ''")
+    browser.js("document.getElementById('prompt').focus()")
+    browser.call("Input.insertText", text="the cat")  # typed
+    for field, value in (("max-tokens", 20), ("temperature", 0.7), ("seed", 4)):
+        browser.js(f"document.getElementById('{field}').value = '{value}'")
+    click(browser, "#generate")
+    wait_until(browser, "document.getElementById('output').dataset.state === 'done'")
+    shown = browser.js(SPANS.format("#output .tok", "s.textContent") + ".join('')")
+    sampling = SamplingConfig(temperature=0.7, max_new_tokens=20, seed=4)
+    expected, _ = alone(Live(url, served), "the cat", sampling)
+    assert shown == expected
+    assert browser.js("document.getElementById('status').textContent") == "20 tokens, finish_reason length"
+    probs = browser.js(SPANS.format("#output .tok", "Number(s.dataset.prob)"))
+    assert len(probs) == 20 and all(0 < p <= 1 for p in probs) and len(set(probs)) > 1
+
+    click(browser, "#output .tok[data-i='2']")
+    wait_until(browser, "document.querySelectorAll('#attention span').length > 0")
+    alternatives = browser.js(SPANS.format("#alternatives li", "s.textContent"))
+    assert len(alternatives) == 5
+    context = "the cat" + expected[:2]  # the text whose last token chose token 2
+    model, tokenizer = served.model, served.tokenizer
+    maps = attention_maps(model, tokenizer, context, tokenizer.encode(context), layer=0, head=0)
+    weights = browser.js(SPANS.format("#attention span", "Number(s.dataset.weight)"))
+    torch.testing.assert_close(torch.tensor(weights, dtype=torch.float32), maps.weights[0, 0, -1],
+                               atol=1e-4, rtol=0)
+    assert not [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+    screenshot = browser.call("Page.captureScreenshot", format="png")["data"]
+    assert base64.b64decode(screenshot)[:8] == PNG_SIGNATURE
+
