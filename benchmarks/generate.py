@@ -24,10 +24,16 @@ extra (`pip install 'gptlab[hf]'`); without it the table is skipped.
     python benchmarks/generate.py            # both models (a few minutes on a 2-core CPU)
     python benchmarks/generate.py --quick    # the demo model only
     python benchmarks/generate.py --batches  # batched throughput on the GPT-2-small shape
+    python benchmarks/generate.py --int8     # float32 against int8 weights (gptlab.quantize)
 
 `--batches` decodes 64 new tokens for batches of 1, 4, 16 and 64 prompts (all of 16 tokens, or of 1
 to 32 tokens, left-padded), and prints total and per-sequence tokens/s for gptlab's batched KV-cache
 decoder and for transformers' `generate` on the same weights.
+
+`--int8` decodes 128 new tokens after a one-token prompt (batch 1, greedy) with each model in float32,
+as `gptlab sample` loads it, and with a quantised copy of the same weights (`quantize_int8`: int8
+weights, bfloat16 activations into each product), beside each one's bound: copy bandwidth / the bytes
+a step reads.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from gptlab.common import decoding_layout
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import Decoder, generate
 from gptlab.model import GPT
+from gptlab.quantize import quantize_int8
 
 LENGTHS = (128, 512, 1024)
 HF_NEW_TOKENS = 200
@@ -267,6 +274,41 @@ def batched_rows(device: torch.device) -> list[str]:
     return rows
 
 
+INT8_NEW_TOKENS = 128
+
+
+def step_bytes(model: GPT) -> int:
+    """Bytes of every parameter and buffer (a shared tensor once) but a token embedding that is not also
+    the head: a step reads one row of it. For a tied float32 model this is `weight_bytes`; a quantised
+    one holds its head as an int8 copy of its own, beside the float32 embedding."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    if model.lm_head.weight is not model.transformer.wte.weight:
+        del tensors[id(model.transformer.wte.weight)]
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def int8_rows(bandwidth: float, device: torch.device) -> list[str]:
+    """One row per model size: float32 and int8 decoding rates of the same weights, and their bounds."""
+    rows = []
+    for size in SIZES:
+        torch.manual_seed(0)
+        float32 = decoding_layout(GPT(size.config).to(device).eval())  # as `gptlab sample` loads it
+        int8 = decoding_layout(GPT(size.config).to(device).eval())
+        int8.load_state_dict(float32.state_dict())
+        quantize_int8(int8)
+        rates, sizes = [], []
+        for model in (float32, int8):
+            gptlab_cached(model, [0], 8)  # warm-up
+            seconds = best_of(size.repeats, gptlab_cached, model, [0], INT8_NEW_TOKENS)[-1]
+            rates.append(INT8_NEW_TOKENS / seconds)
+            sizes.append(step_bytes(model))
+        (rate32, rate8), (bytes32, bytes8) = rates, sizes
+        rows.append(f"| {size.name} | {rate32:,.1f} | {rate8:,.1f} | x{rate8 / rate32:.2f} | "
+                    f"{bytes32 / 1e6:,.1f} | {bytes8 / 1e6:,.1f} | {bandwidth / bytes32:,.1f} | "
+                    f"{bandwidth / bytes8:,.1f} | {rate8 / (bandwidth / bytes8):.0%} |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -275,6 +317,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--batches", action="store_true", help="only the batched-throughput table")
+    parser.add_argument("--int8", action="store_true", help="only the float32-against-int8 table")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -285,6 +328,17 @@ def main() -> None:
         print("| batch | prompt lengths | decoder | tokens/s in total | tokens/s per sequence |")
         print("|---|---|---|---|---|")
         for row in batched_rows(device):
+            print(row, flush=True)
+        return
+    if args.int8:
+        bandwidth = copy_bandwidth(device)
+        print(f"{INT8_NEW_TOKENS} new tokens after a one-token prompt, batch 1, greedy, random weights; "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}; copy bandwidth "
+              f"{bandwidth / 1e9:.1f} GB/s; best of each model's repeats\n")
+        print("| model | float32 tokens/s | int8 tokens/s | int8 speedup | float32 MB per step | "
+              "int8 MB per step | float32 bound tokens/s | int8 bound tokens/s | int8 at bound |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in int8_rows(bandwidth, device):
             print(row, flush=True)
         return
     bandwidth = copy_bandwidth(device)

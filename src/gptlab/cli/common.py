@@ -90,3 +90,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 def add_device_option(parser: argparse.ArgumentParser) -> None:
     """--device for the commands that run a trained model (default cpu)."""
     parser.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default cpu)")
+
+
+def add_quantize_option(parser: argparse.ArgumentParser) -> None:
+    """--quantize for the commands that run a trained model (default none)."""
+    from gptlab.quantize import QUANTIZATIONS
+
+    parser.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
+                        help="int8: int8 weights with one scale per output channel, bfloat16 activations "
+                        "into each product; CPU only (default none)")
