@@ -21,7 +21,7 @@ from gptlab.config import POSITIONS, ModelConfig, SamplingConfig, Seq2SeqConfig
 from gptlab.encoder_decoder import EncoderDecoder, decode_answers
 from gptlab.generate import Decoder, generate
 from gptlab.model import GPT
-from gptlab.quantize import Int8Linear, quantize, quantize_int8, quantize_rows
+from gptlab.quantize import Int8Linear, inference_weights, quantize, quantize_int8, quantize_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models only lose time to a 2nd thread
 
@@ -239,3 +239,15 @@ def test_bad_quantize_options_are_one_line(trained_run: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert err == ("gptlab: error: --quantize int8 runs on the CPU only, not on meta: use --device cpu, "
                    "or --quantize none\n")
+
+
+def test_bfloat16_weights_for_sample_and_eval(trained_run: Path, capsys: pytest.CaptureFixture) -> None:
+    """--dtype bfloat16 runs the commands on bfloat16 weights; with --quantize it is a one-line error."""
+    model = inference_weights(load_run(trained_run)[0], "bfloat16", "none")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert main(["sample", str(trained_run), "--prompt", "the", "--max-new-tokens", "5", "--dtype",
+                 "bfloat16"]) == 0
+    assert main(["eval", str(trained_run), "--dtype", "bfloat16"]) == 0
+    assert "perplexity" in capsys.readouterr().out
+    assert main(["eval", str(trained_run), "--dtype", "bfloat16", "--quantize", "int8"]) == 2
+    assert "choose one" in capsys.readouterr().err

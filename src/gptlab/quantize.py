@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 QUANTIZATIONS = ("none", "int8")
+DTYPES = ("float32", "bfloat16")  # the precisions a trained model's weights can be held in for inference
 PACKED_MAX_ROWS = 16  # up to this many rows the int8 kernel is faster than dequantise + matmul
 PACKED_WIDTH_MULTIPLE = 16  # the int8 kernel's in_features must be a multiple of this
 
@@ -139,3 +140,14 @@ def quantize(model: nn.Module, method: str) -> nn.Module:
         raise ValueError(f"--quantize int8 runs on the CPU only, not on {device}: use --device cpu, "
                          "or --quantize none")
     return quantize_int8(model)
+
+
+def inference_weights(model: nn.Module, dtype: str, method: str) -> nn.Module:
+    """Hold a model's weights as the commands' --dtype and --quantize say: float32, bfloat16 (half the
+    memory) or int8 (a quarter; it takes float32 weights and multiplies in bfloat16 itself)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+    if dtype != "float32" and method != "none":
+        raise ValueError(f"--dtype {dtype} and --quantize {method} both set the weights' precision: "
+                         "choose one")
+    return quantize(model.to(getattr(torch, dtype)), method)

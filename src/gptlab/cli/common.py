@@ -92,10 +92,14 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, mps or auto (default cpu)")
 
 
-def add_quantize_option(parser: argparse.ArgumentParser) -> None:
-    """--quantize for the commands that run a trained model (default none)."""
-    from gptlab.quantize import QUANTIZATIONS
+def add_weight_options(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --quantize for the commands that run a trained model (quantize.inference_weights)."""
+    from gptlab.quantize import DTYPES, QUANTIZATIONS
 
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="precision of the weights: bfloat16 halves the memory a step reads, and the "
+                        "logits move a little (gptlab verify RUN --dtype bfloat16 measures it; default "
+                        "float32)")
     parser.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
                         help="int8: int8 weights with one scale per output channel, bfloat16 activations "
                         "into each product; CPU only (default none)")

@@ -9,8 +9,8 @@ from typing import Any
 from gptlab.cli.common import (
     add_config_arguments,
     add_device_option,
-    add_quantize_option,
     add_run_options,
+    add_weight_options,
     config_overrides,
     print_configs,
     report_run,
@@ -80,10 +80,10 @@ def cmd_seq2seq_sample(args: argparse.Namespace) -> int:
     """Answer each --input with the trained model (greedy decoding)."""
     from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
-    from gptlab.quantize import quantize
+    from gptlab.quantize import inference_weights
 
     model, vocab, task = load_seq2seq(args.run, resolve_device(args.device))
-    model = quantize(model, args.quantize)
+    model = inference_weights(model, args.dtype, args.quantize)
     sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **config_overrides(args, SamplingConfig)})
     print("\n".join(answer_lines(model, vocab, task, args.input, sampling, args.use_cache)))
     return 0
@@ -94,10 +94,10 @@ def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
     from gptlab import tasks
     from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
-    from gptlab.quantize import quantize
+    from gptlab.quantize import inference_weights
 
     model, _, task = load_seq2seq(args.run, resolve_device(args.device))
-    model = quantize(model, args.quantize)
+    model = inference_weights(model, args.dtype, args.quantize)
     if args.examples < 1:
         raise ValueError(f"--examples={args.examples} must be at least 1")
     device = next(model.parameters()).device
@@ -167,7 +167,7 @@ def add_seq2seq_commands(sub: Any) -> None:
                     help="recompute the whole answer at every step (the reference decoder)")
     add_config_arguments(sa, SamplingConfig, "sampling options", exclude=("stop",), defaults=SAMPLE_DEFAULTS)
     add_device_option(sa)
-    add_quantize_option(sa)
+    add_weight_options(sa)
     sa.set_defaults(func=cmd_seq2seq_sample)
 
     ev = commands.add_parser("eval", help="exact match on held-out examples",
@@ -177,6 +177,6 @@ def add_seq2seq_commands(sub: Any) -> None:
     ev.add_argument("--examples", type=int, default=2000, help="held-out examples to decode (default 2000)")
     ev.add_argument("--seed", type=int, default=0, help="which held-out examples (default 0)")
     add_device_option(ev)
-    add_quantize_option(ev)
+    add_weight_options(ev)
     ev.set_defaults(func=cmd_seq2seq_eval)
 

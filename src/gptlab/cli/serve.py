@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.common import add_device_option
+from gptlab.cli.common import add_device_option, add_weight_options
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -22,6 +22,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "pip install -e '.[serve]'") from None
     from gptlab.checkpoint import load_run
     from gptlab.common import resolve_device
+    from gptlab.quantize import inference_weights
 
     if min(args.max_batch, args.max_tokens, args.threads) < 1:
         raise ValueError("--max-batch, --max-tokens and --threads must be at least 1")
@@ -29,6 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     model, tokenizer = load_run(args.run, resolve_device(args.device))
+    model = inference_weights(model, args.dtype, args.quantize)
     name = Path(args.run).resolve().name
     app = create_app(model, tokenizer, name, api_key=args.api_key, max_batch=args.max_batch,
                      max_tokens=args.max_tokens)
@@ -67,4 +69,5 @@ def add_serve_command(sub: Any) -> None:
                        help="CPU threads of the decode thread's tensor operations (default: all cores "
                        "but one, which is left to the HTTP event loop)")
     add_device_option(serve)
+    add_weight_options(serve)
     serve.set_defaults(func=cmd_serve)

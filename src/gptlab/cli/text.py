@@ -11,8 +11,8 @@ from typing import Any
 from gptlab.cli.common import (
     add_config_arguments,
     add_device_option,
-    add_quantize_option,
     add_run_options,
+    add_weight_options,
     config_overrides,
     print_configs,
     report_run,
@@ -124,22 +124,24 @@ def refuse_on_resume(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Loss, perplexity and bits per character of a checkpoint on a split or any text."""
-    print(evaluation_line(args.run, args.data, args.max_tokens, quantization=args.quantize))
+    print(evaluation_line(args.run, args.data, args.max_tokens, dtype=args.dtype, quantization=args.quantize))
     return 0
 
 
-def evaluation_line(run: str | Path, data: str, max_tokens: int | None, quantization: str = "none") -> str:
+def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: str = "float32",
+                    quantization: str = "none") -> str:
     """Evaluate a run's best checkpoint on `data` (train, val, a prepared folder's val split, or any
-    text), its weights quantised by `quantization` (gptlab.quantize), and describe the result."""
+    text), its weights held as `dtype` and `quantization` say (gptlab.quantize), and describe the result."""
     import dataclasses as dc
 
     from gptlab.checkpoint import data_folder, inference_model, load_checkpoint
     from gptlab.data import TokenData, load_text
     from gptlab.evaluate import evaluate_tokens
-    from gptlab.quantize import quantize
+    from gptlab.quantize import inference_weights
 
     checkpoint = load_checkpoint(run)
-    model, tokenizer = quantize(inference_model(checkpoint, run), quantization), checkpoint.load_tokenizer()
+    model = inference_weights(inference_model(checkpoint, run), dtype, quantization)
+    tokenizer = checkpoint.load_tokenizer()
     if data in ("train", "val") or (Path(data) / "meta.json").is_file():
         own = data in ("train", "val")
         folder = data_folder(Path(checkpoint.source).parent, checkpoint.state) if own else Path(data)
@@ -165,23 +167,24 @@ def evaluation_line(run: str | Path, data: str, max_tokens: int | None, quantiza
 
 
 def print_samples(run: str | Path, prompt: str, num_samples: int, sampling: SamplingConfig, *, device: str,
-                  use_cache: bool = True, as_json: bool = False, quantization: str = "none") -> None:
+                  use_cache: bool = True, as_json: bool = False, dtype: str = "float32",
+                  quantization: str = "none") -> None:
     """Stream `num_samples` continuations of `prompt` to stdout, or print one JSON line per sample, from
-    the run's model with its weights quantised by `quantization` (gptlab.quantize)."""
+    the run's model with its weights held as `dtype` and `quantization` say (gptlab.quantize)."""
     import json
     import time
 
     from gptlab.checkpoint import load_run
     from gptlab.common import resolve_device
     from gptlab.generate import stream_text
-    from gptlab.quantize import quantize
+    from gptlab.quantize import inference_weights
     from gptlab.sampling import sampler
 
     if num_samples < 1:
         raise ValueError(f"--num-samples={num_samples} must be at least 1")
     torch_device = resolve_device(device)
     model, tokenizer = load_run(run, torch_device)
-    model = quantize(model, quantization)
+    model = inference_weights(model, dtype, quantization)
     generator = sampler(sampling, torch_device)  # one stream for all samples, so each one differs
     for n in range(num_samples):
         begin = time.perf_counter()
@@ -210,7 +213,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     prompt = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(encoding="utf-8")
     sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **config_overrides(args, SamplingConfig)})
     print_samples(args.run, prompt, args.num_samples, sampling, device=args.device, use_cache=args.use_cache,
-                  as_json=args.json, quantization=args.quantize)
+                  as_json=args.json, dtype=args.dtype, quantization=args.quantize)
     return 0
 
 
@@ -285,7 +288,7 @@ def add_data_commands(sub: Any) -> None:
     ev.add_argument("--data", default="val", help="train or val (the run's own splits), a prepared folder "
                     "(its val split), or " + source_help)
     ev.add_argument("--max-tokens", type=int, help="score at most this many tokens")
-    add_quantize_option(ev)
+    add_weight_options(ev)
     ev.set_defaults(func=cmd_eval)
 
     sa = sub.add_parser("sample", help="generate text from a checkpoint",
@@ -304,7 +307,7 @@ def add_data_commands(sub: Any) -> None:
                     "completion, tokens, stop_reason, tokens_per_s")
     add_config_arguments(sa, SamplingConfig, "sampling options", defaults=SAMPLE_DEFAULTS)
     add_device_option(sa)
-    add_quantize_option(sa)
+    add_weight_options(sa)
     sa.set_defaults(func=cmd_sample)
 
 
