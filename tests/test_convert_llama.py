@@ -100,7 +100,7 @@ def test_folder_import_tokenizer_and_generation_end(tmp_path: Path) -> None:
     end-of-sequence id from config.json ends generation."""
     from transformers import AutoTokenizer
 
-    hf = hf_model("llama", 4, 1, True, 300)
+    hf = hf_model("llama", 4, 1, False, 300)
     hf.save_pretrained(tmp_path / "hf")
     tokenizer_folder(tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
