@@ -224,4 +224,19 @@ def test_activations_match_their_formulas() -> None:
     tanh_form = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
     assert_close(ACTIVATIONS["gelu"]()(x), tanh_form)
     assert_close(ACTIVATIONS["relu2"]()(x), torch.clamp(x, min=0) ** 2)
-    assert set(ACTIVATIONS) | {"swiglu"} == set(FFNS)
+    assert set(ACTIVATIONS) | {"swiglu", "none"} == set(FFNS)
+
+
+@pytest.mark.parametrize("arrangement", ARRANGEMENTS)
+def test_attention_only_block_is_the_attention_sublayer_alone(arrangement: str,
+                                                              tiny_config: TinyConfig) -> None:
+    config = tiny_config(ffn="none", arrangement=arrangement)
+    block = GPT(config).transformer.h[0]
+    assert block.mlp is None and block.ln_2 is None
+    assert not any(".ln_2." in name or ".mlp." in name for name, _ in GPT(config).named_parameters())
+    x = torch.randn(2, config.block_size, config.n_embd)
+    expected = (x + block.attn(block.ln_1(x)) if arrangement == "pre"
+                else block.ln_1(x + block.attn(x)))  # no second norm after the missing FFN
+    assert_close(block(x), expected, rtol=0, atol=0)
+    full = parameter_count(config.replace(ffn="gelu"))
+    assert full["norms"] - parameter_count(config)["norms"] == config.n_layer * 2 * config.n_embd

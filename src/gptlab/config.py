@@ -102,7 +102,7 @@ def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> A
 
 NORMS = ("layernorm", "rmsnorm", "none")
 ARRANGEMENTS = ("pre", "post")
-FFNS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu")
+FFNS = ("gelu", "gelu_exact", "relu", "relu2", "swiglu", "none")
 POSITIONS = ("learned", "sinusoidal", "rope", "none")
 ATTENTION_KERNELS = ("sdpa", "naive")
 
@@ -127,7 +127,9 @@ class ModelConfig(Config):
     arrangement: str = option("pre", "where the norms sit: pre-norm x + g(LN(x)) or post-norm LN(x + g(x))",
                               ARRANGEMENTS)
     ffn: str = option("gelu", "feed-forward activation: gelu is GPT-2's tanh form, gelu_exact the erf form "
-                      "(nanoGPT's), relu2 is ReLU squared; swiglu is the gated FFN of §9.3", FFNS)
+                      "(nanoGPT's), relu2 is ReLU squared; swiglu is the gated FFN of §9.3; none leaves "
+                      "the FFN out (attention-only blocks, a departure from §5, where every block has one)",
+                      FFNS)
     positions: str = option("learned", "position information (§6)", POSITIONS)
     tied: bool = option(True, "vocabulary head shares the token embedding E (§6)")
     bias: bool = option(True, "biases in linear layers and LayerNorm")
@@ -232,6 +234,10 @@ class TrainConfig(Config):
     device: str = option("auto", "cpu, cuda, cuda:N, mps, or auto")
     save_every: float = option(60.0, "also save last.safetensors after this many seconds of training since "
                                "the last save, so a kill loses at most that much (0: at evaluations only)")
+    track_heads: bool = option(False, "at every evaluation, score each head for previous-token, duplicate-"
+                               "token, induction and first-token attention on repeated random tokens, and "
+                               "measure the loss on their repeats, into metrics.csv (plot: gptlab heads RUN "
+                               "--history)")
     parallel: str = option("ddp", "under torchrun: ddp replicates the model, fsdp shards weights, "
                            "gradients and optimiser state", PARALLEL)
 
@@ -274,6 +280,9 @@ class Seq2SeqConfig(ModelConfig):
     def validate(self) -> None:
         super().validate()
         check_positive("Seq2SeqConfig", n_encoder_layer=self.n_encoder_layer)
+        if self.ffn == "none":
+            raise ValueError("Seq2SeqConfig.ffn='none': attention-only blocks are offered for the GPT only; "
+                             "choose a feed-forward activation such as gelu")
         if not self.causal:
             raise ValueError("Seq2SeqConfig.causal=False: the decoder must stay causal; only the encoder "
                              "is unmasked, and it is by construction")

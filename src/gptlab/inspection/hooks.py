@@ -17,7 +17,7 @@ Hook points are named after module paths, without the `transformer.` prefix:
 | `h.N.attn.weights` | normalised, masked weights a                         | (B, H', T, T)  | no  |
 | `h.N.attn.heads`   | every head's output before W_O (input of `c_proj`)   | (B, T, H, hs)  | yes |
 | `h.N.attn.out`     | attention's output after W_O                         | (B, T, D)      | yes |
-| `h.N.mlp.out`      | the feed-forward network's output                    | (B, T, D)      | yes |
+| `h.N.mlp.out`      | the feed-forward network's output (not in ffn="none") | (B, T, D)     | yes |
 | `h.N.resid_post`   | the residual stream leaving block N                  | (B, T, D)      | yes |
 
 Scores and weights are not values of the forward pass: the fast `sdpa` kernel never materialises
@@ -48,9 +48,15 @@ BLOCK_POINTS = ("resid_pre", "attn.in", "attn.scores", "attn.weights", "attn.hea
 RECOMPUTED = ("attn.scores", "attn.weights")
 
 
+def block_points(model: GPT) -> tuple[str, ...]:
+    """The points of each of `model`'s blocks: an attention-only model (ffn="none") has no `mlp.out`."""
+    return tuple(p for p in BLOCK_POINTS if p != "mlp.out") if model.config.ffn == "none" else BLOCK_POINTS
+
+
 def hook_points(model: GPT) -> list[str]:
     """Every hook point name of `model`, in the order the forward pass reaches them."""
-    return ["embed"] + [f"h.{n}.{point}" for n in range(model.config.n_layer) for point in BLOCK_POINTS]
+    points = block_points(model)
+    return ["embed"] + [f"h.{n}.{point}" for n in range(model.config.n_layer) for point in points]
 
 
 def parse_point(model: GPT, name: str) -> tuple[int | None, str]:
@@ -60,11 +66,11 @@ def parse_point(model: GPT, name: str) -> tuple[int | None, str]:
     prefix, _, point = name.partition(".")
     layer, _, point = point.partition(".")
     n = int(layer) if layer.isdigit() else model.config.n_layer
-    if prefix == "h" and layer == str(n) and point in BLOCK_POINTS and n < model.config.n_layer:
+    if prefix == "h" and layer == str(n) and point in block_points(model) and n < model.config.n_layer:
         return n, point  # only the canonical spelling: "h.01" would miss its place in hook_points
     raise ValueError(
         f"unknown hook point {name!r}: use 'embed' or 'h.N.POINT' with N in 0..{model.config.n_layer - 1} "
-        f"and POINT one of {', '.join(BLOCK_POINTS)}"
+        f"and POINT one of {', '.join(block_points(model))}"
     )
 
 

@@ -15,13 +15,14 @@ from gptlab.tokenizer import Tokenizer
 VISIBLE = {" ": "\u2423", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int) -> list[int]:
-    """The token ids of `prompt`, refusing an empty prompt or one longer than the context window."""
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, option: str = "--prompt") -> list[int]:
+    """The token ids of `prompt`, refusing an empty prompt or one longer than the context window;
+    `option` names the flag in errors."""
     ids = tokenizer.encode(prompt)
     if not ids:
-        raise ValueError("--prompt encodes to no tokens: give a non-empty prompt")
+        raise ValueError(f"{option} encodes to no tokens: give a non-empty prompt")
     if len(ids) > block_size:
-        raise ValueError(f"--prompt is {len(ids)} tokens but the model sees at most block_size={block_size}: "
+        raise ValueError(f"{option} is {len(ids)} tokens but the model sees at most block_size={block_size}: "
                          "shorten the prompt")
     return ids
 
