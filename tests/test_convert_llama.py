@@ -166,8 +166,8 @@ def test_every_unsupported_field_in_one_message() -> None:
 
 @pytest.mark.slow
 def test_every_tool_runs_on_an_imported_llama(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """sample, eval, attention, ablate, intervene, verify and fine-tuning with --init-from, on a
-    grouped-query Llama imported from a save_pretrained folder."""
+    """sample, eval, attention, ablate, intervene, lens, heads, verify and fine-tuning with --init-from,
+    on a grouped-query Llama imported from a save_pretrained folder."""
     hf_model("llama", 4, 2, False, 300).save_pretrained(tmp_path / "hf")
     tokenizer_folder(tmp_path / "hf")
     run = str(tmp_path / "run")
@@ -181,6 +181,8 @@ def test_every_tool_runs_on_an_imported_llama(tmp_path: Path, capsys: pytest.Cap
         ["attention", run, *prompt, "--out", str(tmp_path / "attention.png")],
         ["ablate", run, *prompt, "--out", str(tmp_path / "ablation.png")],
         ["intervene", run, *prompt, "--drop", "1"],
+        ["lens", run, *prompt, "--out", str(tmp_path / "lens.png")],
+        ["heads", run, "--out", str(tmp_path / "heads.png")],
         ["verify", run],
         ["train", "--data", str(tmp_path / "text.txt"), "--init-from", run, "--out", str(tmp_path / "tuned"),
          "--max-steps", "3", "--batch-size", "2", "--eval-interval", "3", "--eval-batches", "1",
@@ -190,6 +192,7 @@ def test_every_tool_runs_on_an_imported_llama(tmp_path: Path, capsys: pytest.Cap
         assert main(argv) == 0, argv
     output = capsys.readouterr().out
     assert "perplexity" in output and "failed" in output and "0 failed" in output
-    assert (tmp_path / "attention.png").stat().st_size > 0 and (tmp_path / "ablation.png").stat().st_size > 0
+    pictures = ("attention", "ablation", "lens", "heads")
+    assert all((tmp_path / f"{name}.png").stat().st_size > 0 for name in pictures)
     tuned = load_checkpoint(tmp_path / "tuned")
     assert tuned.model_config.kv_heads == 2 and tuned.tokenizer["kind"] == "hf"
