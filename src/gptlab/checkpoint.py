@@ -13,6 +13,7 @@ at any moment leaves the previous checkpoint intact.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,6 +191,17 @@ def parse_checkpoint(metadata: dict[str, str], groups: dict[str, dict[str, torch
 
 HOLDS = {"decoder": "a decoder-only language model: use the language-model commands (train, sample, ...)",
          "encoder-decoder": "an encoder-decoder (seq2seq) model: use the `gptlab seq2seq` commands"}
+
+
+def check_tensors(model_state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]) -> None:
+    """A ValueError unless `model_state` holds exactly the tensors of `shapes`, each of its shape."""
+    if set(model_state) != set(shapes):
+        missing, unused = sorted(set(shapes) - set(model_state)), sorted(set(model_state) - set(shapes))
+        raise ValueError(f"checkpoint tensors do not fit its config: missing {missing}, unused {unused}")
+    for name, shape in shapes.items():
+        if model_state[name].shape != shape:
+            found = tuple(model_state[name].shape)
+            raise ValueError(f"{name} has shape {found}, its config says {tuple(shape)}")
 
 
 def require_architecture(found: str, path: str | Path, expect: str) -> None:

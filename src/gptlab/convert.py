@@ -39,6 +39,7 @@ from gptlab.checkpoint import (
     BEST,
     Checkpoint,
     architecture,
+    check_tensors,
     load_checkpoint,
     model_tensors,
     require_architecture,
@@ -210,14 +211,10 @@ def to_gpt2_state(model_state: Mapping[str, torch.Tensor], config: ModelConfig) 
     shapes = _expected_shapes(config)
     names = gpt2_names(config)
     assert set(names) == set(shapes), f"the name map misses {sorted(set(shapes) - set(names))}"
-    if set(model_state) != set(names):
-        missing, unused = sorted(set(names) - set(model_state)), sorted(set(model_state) - set(names))
-        raise ValueError(f"checkpoint tensors do not fit its config: missing {missing}, unused {unused}")
+    check_tensors(model_state, shapes)
     out = {}
     for ours, theirs in names.items():
         tensor = model_state[ours]
-        if tensor.shape != shapes[ours]:
-            raise ValueError(f"{ours} has shape {tuple(tensor.shape)}, its config says {tuple(shapes[ours])}")
         out[theirs] = (tensor.t() if _is_conv1d(ours) else tensor).contiguous()
     return out
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from gptlab.checkpoint import check_tensors
 from gptlab.config import ModelConfig
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -179,14 +180,10 @@ def to_llama_state(model_state: Mapping[str, torch.Tensor], config: ModelConfig,
     """Hugging Face tensors from gptlab's (a tied head left out); `shapes` are the gptlab shapes expected."""
     names = llama_names(config)
     assert set(names) == set(shapes), f"the name map misses {sorted(set(shapes) - set(names))}"
-    if set(model_state) != set(names):
-        missing, unused = sorted(set(names) - set(model_state)), sorted(set(model_state) - set(names))
-        raise ValueError(f"checkpoint tensors do not fit its config: missing {missing}, unused {unused}")
+    check_tensors(model_state, shapes)
     out = {}
     for ours, theirs in names.items():
         tensor = model_state[ours]
-        if tensor.shape != shapes[ours]:
-            raise ValueError(f"{ours} has shape {tuple(tensor.shape)}, its config says {tuple(shapes[ours])}")
         parts = tensor.split(split_sizes(config, theirs)) if len(theirs) > 1 else [tensor]
         for name, part in zip(theirs, parts, strict=True):
             out[name] = part.contiguous()
