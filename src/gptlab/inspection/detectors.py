@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gptlab.inspection.hooks import HookFn, hooked, record
+from gptlab.inspection.interventions import draw_head_grid
 from gptlab.model import GPT, next_token_loss
 
 DETECTORS = ("previous_token", "duplicate_token", "induction", "first_token")
@@ -139,18 +140,8 @@ def save_scores_png(scores: HeadScores, path: str | Path, title: str) -> None:
                  layout="constrained")
     axes = fig.subplots(1, len(DETECTORS), squeeze=False)[0]
     for ax, detector in zip(axes, DETECTORS, strict=True):
-        grid = scores.scores[detector]
-        image = ax.imshow(grid.numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-        ax.set_title(detector.replace("_", "-"), fontsize=10)
-        ax.set_xticks(range(n_head))
-        ax.set_yticks(range(n_layer))
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        if n_layer * n_head <= 256:  # numbers stay legible up to GPT-2 small's 12 x 12
-            for layer, row in enumerate(grid.tolist()):
-                for head, value in enumerate(row):
-                    ax.text(head, layer, f"{value:.2f}", ha="center", va="center", fontsize=6,
-                            color="black" if value > 0.6 else "white")
+        image = draw_head_grid(ax, scores.scores[detector], detector.replace("_", "-"), "viridis", (0.0, 1.0),
+                               ".2f", lambda value: value <= 0.6)  # viridis is dark below about 0.6
     fig.colorbar(image, ax=axes, label="mean attention on the right key")
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, format="png")

@@ -13,9 +13,10 @@ Shape legend: B batch, T positions, H heads, hs head size, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,6 +91,24 @@ def ablate_heads(model: GPT, ids: Sequence[int], target: int | None = None) -> A
     return Ablation(target, float(base[target]), effects)
 
 
+def draw_head_grid(ax: Any, grid: torch.Tensor, title: str, cmap: str, limits: tuple[float, float],
+                   number: str, dark: Callable[[float], bool]) -> Any:
+    """One layer x head heatmap on `ax`, each value written in its cell (white where `dark` says so)."""
+    n_layer, n_head = grid.shape
+    image = ax.imshow(grid.numpy(), cmap=cmap, vmin=limits[0], vmax=limits[1])
+    ax.set_title(title, fontsize=10)
+    ax.set_xticks(range(n_head))
+    ax.set_yticks(range(n_layer))
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    if n_layer * n_head <= 256:  # numbers stay legible up to GPT-2 small's 12 x 12
+        for layer, row in enumerate(grid.tolist()):
+            for head, value in enumerate(row):
+                ax.text(head, layer, format(value, number), ha="center", va="center", fontsize=6,
+                        color="white" if dark(value) else "black")
+    return image
+
+
 def save_ablation_png(ablation: Ablation, target_label: str, path: str | Path) -> None:
     """Layer x head heatmaps of the change in log p(target), for zero and mean ablation, values written in."""
     from matplotlib.figure import Figure
@@ -100,17 +119,8 @@ def save_ablation_png(ablation: Ablation, target_label: str, path: str | Path) -
     fig = Figure(figsize=(2 * (0.6 * n_head + 1.2) + 1.2, 0.5 * n_layer + 1.6), dpi=100, layout="constrained")
     axes = fig.subplots(1, 2, squeeze=False)[0]
     for ax, (by, grid) in zip(axes, grids.items(), strict=True):
-        image = ax.imshow(grid.numpy(), cmap="RdBu", vmin=-limit, vmax=limit)
-        ax.set_title(f"{by} ablation", fontsize=10)
-        ax.set_xticks(range(n_head))
-        ax.set_yticks(range(n_layer))
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        if n_layer * n_head <= 256:  # numbers stay legible up to GPT-2 small's 12 x 12
-            for layer, row in enumerate(grid.tolist()):
-                for head, value in enumerate(row):
-                    colour = "white" if abs(value) > limit / 2 else "black"  # legible on dark cells
-                    ax.text(head, layer, f"{value:+.2f}", ha="center", va="center", fontsize=6, color=colour)
+        image = draw_head_grid(ax, grid, f"{by} ablation", "RdBu", (-limit, limit), "+.2f",
+                               lambda value: abs(value) > limit / 2)  # the ends of RdBu are dark
     fig.colorbar(image, ax=axes, label="change in log p (nats)")
     fig.suptitle(f"removing one head: change in log p({target_label!r}), intact {ablation.logprob:.3f}",
                  fontsize=10)
