@@ -44,7 +44,7 @@ class Live:
 def start_server(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]:
     """Run `app` under uvicorn on a free port of 127.0.0.1 in a thread; its URL once it accepts."""
     sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
