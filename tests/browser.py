@@ -58,13 +58,15 @@ class Chromium:
             assert chunk, f"chromium gave no reply to {method}"
             self._buffer += chunk
 
-    def open(self, page: Path) -> None:
-        target = self.call("Target.createTarget", url=page.as_uri())["targetId"]
+    def open(self, page: Path | str) -> None:
+        """Open a file, or a URL, in a new target and wait until it has loaded."""
+        url = page.as_uri() if isinstance(page, Path) else page
+        target = self.call("Target.createTarget", url=url)["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         self.call("Runtime.enable")
         # The new target shows about:blank (already "complete") before it navigates: wait for the page.
-        loaded = f"document.readyState === 'complete' && location.href === {json.dumps(page.as_uri())}"
-        for _ in range(100):
+        loaded = f"document.readyState === 'complete' && location.href === {json.dumps(url)}"
+        for _ in range(200):
             if self.js(loaded):
                 return
             time.sleep(0.05)

@@ -39,19 +39,6 @@ def live(trained_run: Path) -> Iterator[tuple[str, object]]:
     thread.join(timeout=10)
 
 
-def open_url(browser: Chromium, url: str) -> None:
-    """Open a page by URL in a new target (browser.open takes files) and wait until it has loaded."""
-    target = browser.call("Target.createTarget", url=url)["targetId"]
-    browser.session = browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-    browser.call("Runtime.enable")
-    loaded = f"document.readyState === 'complete' && location.href === {json.dumps(url)}"
-    for _ in range(200):
-        if browser.js(loaded):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{url} did not finish loading")
-
-
 def click(browser: Chromium, selector: str) -> None:
     """Press and release the mouse over the middle of an element, as a reader would."""
     box = json.loads(browser.js(f"JSON.stringify(document.querySelector({json.dumps(selector)})"
@@ -72,7 +59,7 @@ def wait_until(browser: Chromium, expression: str, seconds: float = 20) -> None:
 def test_playground_streams_tokens_and_shows_alternatives_and_attention(live: tuple,
                                                                          browser: Chromium) -> None:
     url, served = live
-    open_url(browser, url + "/")
+    browser.open(url + "/")
     browser.js("document.getElementById('prompt').value = ''")
     browser.js("document.getElementById('prompt').focus()")
     browser.call("Input.insertText", text="the cat")  # typed
