@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.cli.common import add_device_option
-
-DTYPES = ("float32", "bfloat16")  # weight precisions for running a trained model
+from gptlab.quantize import DTYPES
 
 
 def load_prompt(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
