@@ -82,6 +82,11 @@ class Tokenizer(abc.ABC):
         """Token ids of `text` as an int64 array (vectorised where the kind allows it)."""
         return np.asarray(self.encode(text), dtype=np.int64)
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation: the end-of-text id (an import may have several)."""
+        return () if self.eot_id is None else (self.eot_id,)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
@@ -207,7 +212,9 @@ class ImportedTokenizer(Tokenizer):
 
     kind = "hf"
 
-    def __init__(self, hf_json: str, eos_id: int | None, bos_id: int | None = None) -> None:
+    def __init__(self, hf_json: str, eos_id: int | None, bos_id: int | None = None,
+                 more_eos_ids: Sequence[int] = ()) -> None:
+        """`eos_id` is the model's first end-of-sequence id; `more_eos_ids` the others its config lists."""
         from tokenizers import Tokenizer as HFTokenizer
 
         try:
@@ -217,6 +224,11 @@ class ImportedTokenizer(Tokenizer):
             raise DamagedTokenizerError(f"saved hf tokenizer's JSON is damaged ({reason})") from exc
         self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
         self.eot_id, self.bos_id = eos_id, bos_id  # the model's own ids, as its config gave them
+        self.more_eos_ids = tuple(i for i in more_eos_ids if i != eos_id)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (*super().stop_ids, *self.more_eos_ids)
 
     def encode(self, text: str) -> list[int]:
         return self._hf.encode(text).ids
@@ -228,7 +240,8 @@ class ImportedTokenizer(Tokenizer):
         return self._hf.decode(self._checked_ids(ids), skip_special_tokens=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "json": self._hf.to_str(), "eos_id": self.eot_id, "bos_id": self.bos_id}
+        return {"kind": self.kind, "json": self._hf.to_str(), "eos_id": self.eot_id, "bos_id": self.bos_id,
+                "more_eos_ids": list(self.more_eos_ids)}
 
 
 class GPT2Tokenizer(Tokenizer):
@@ -453,5 +466,8 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
         for name, value in ids.items():
             if value is not None and not isinstance(value, int):
                 raise DamagedTokenizerError(f"saved hf tokenizer's {name}={value!r} is not an integer")
-        return ImportedTokenizer(d["json"], ids["eos_id"], ids["bos_id"])
+        more = d.get("more_eos_ids", [])  # absent in runs imported before it was kept
+        if not isinstance(more, list) or not all(isinstance(i, int) for i in more):
+            raise DamagedTokenizerError(f"saved hf tokenizer's more_eos_ids={more!r} is not a list of integers")
+        return ImportedTokenizer(d["json"], ids["eos_id"], ids["bos_id"], more)
     return ByteTokenizer() if kind == "byte" else GPT2Tokenizer()
