@@ -27,6 +27,7 @@ extra (`pip install 'gptlab[hf]'`); without it the table is skipped.
     python benchmarks/generate.py --quick    # the demo model only
     python benchmarks/generate.py --batches  # batched throughput on the GPT-2-small shape
     python benchmarks/generate.py --int8     # float32 against int8 weights (gptlab.quantize)
+    python benchmarks/generate.py --int8-rows  # one int8 layer's product for 1 to 64 rows, each way
 
 `--batches` decodes 64 new tokens for batches of 1, 4, 16 and 64 prompts (all of 16 tokens, or of 1
 to 32 tokens, left-padded), and prints total and per-sequence tokens/s for gptlab's batched KV-cache
@@ -36,6 +37,11 @@ decoder and for transformers' `generate` on the same weights.
 as `gptlab sample` loads it, and with a quantised copy of the same weights (`quantize_int8`: int8
 weights, bfloat16 activations into each product), beside each one's bound: copy bandwidth / the bytes
 a step reads.
+
+`--int8-rows` times one layer's product (SmolLM2-135M's FFN, 576 -> 1536) for a batch of 1 to 64 rows,
+the way a batched decoding step (`gptlab serve`) runs it: int8 weights through torch's int8 kernel in
+one call, the same kernel on groups of 16 rows, `Int8Linear`'s own choice (the kernel up to
+PACKED_MAX_ROWS rows, else dequantise and multiply), and the same weights held in bfloat16 and float32.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from gptlab.common import decoding_layout, faster_layout
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import Decoder, generate
 from gptlab.model import GPT
-from gptlab.quantize import quantize_int8
+from gptlab.quantize import PACKED_MAX_ROWS, Int8Linear, quantize_int8
 
 LENGTHS = (128, 512, 1024)
 HF_NEW_TOKENS = 200
@@ -318,6 +324,42 @@ def int8_rows(bandwidth: float, device: torch.device) -> list[str]:
     return rows
 
 
+def median_microseconds(run: Callable[[], torch.Tensor], repeats: int = 50) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1e6
+
+
+def product_times(x: torch.Tensor, linear: torch.nn.Linear, int8: Int8Linear) -> list[float]:
+    """Microseconds of one product of rows x (N, in) with the layer's weight, each way of computing it."""
+    xb, kernel = x.to(torch.bfloat16), torch.ops.aten._weight_int8pack_mm
+    weight16 = linear.weight.detach().to(torch.bfloat16)
+    ways = [
+        lambda: kernel(xb, int8.weight, int8.scales),
+        lambda: torch.cat([kernel(part, int8.weight, int8.scales) for part in xb.split(PACKED_MAX_ROWS)]),
+        lambda: int8(x),
+        lambda: torch.nn.functional.linear(xb, weight16),
+        lambda: torch.nn.functional.linear(x, linear.weight),
+    ]
+    return [median_microseconds(way) for way in ways]
+
+
+def int8_row_counts() -> list[str]:
+    """One row per batch size: a layer's product time for each way of holding and multiplying its weight."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(576, 1536, bias=False).requires_grad_(False)
+    int8 = Int8Linear.from_linear(linear)
+    rows = []
+    for n in (1, 8, 16, 17, 32, 64):
+        times = product_times(torch.randn(n, 576), linear, int8)
+        rows.append(f"| {n} | " + " | ".join(f"{t:,.0f}" for t in times) + " |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -327,6 +369,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--batches", action="store_true", help="only the batched-throughput table")
     parser.add_argument("--int8", action="store_true", help="only the float32-against-int8 table")
+    parser.add_argument("--int8-rows", action="store_true", help="only one int8 layer's product time "
+                        "for 1 to 64 rows (a batched decoding step), each way of computing it")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -337,6 +381,15 @@ def main() -> None:
         print("| batch | prompt lengths | decoder | tokens/s in total | tokens/s per sequence |")
         print("|---|---|---|---|---|")
         for row in batched_rows(device):
+            print(row, flush=True)
+        return
+    if args.int8_rows:
+        print(f"one 576 -> 1536 product, microseconds (median of 50); torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads, {device}\n")
+        print("| rows | int8 kernel, one call | int8 kernel, groups of 16 | Int8Linear | bfloat16 | "
+              "float32 |")
+        print("|---|---|---|---|---|---|")
+        for row in int8_row_counts():
             print(row, flush=True)
         return
     if args.int8:

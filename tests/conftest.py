@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from browser import Chromium
-from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
+from gptlab.checkpoint import BEST, LAST, Checkpoint, load_checkpoint, model_tensors, save_checkpoint
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
+from gptlab.tokenizer import CharTokenizer
 
 # The text the inspection runs are trained on: the prompts of test_attention_view, test_interventions
 # and test_verify ("the cat sat on", "the dog sat o") use only its characters.
@@ -143,3 +144,32 @@ def browser(tmp_path: Path) -> Iterator[Chromium]:
     chromium = Chromium(binary, Path(tempfile.mkdtemp(dir=tmp_path)))
     yield chromium
     chromium.close()
+
+
+def assert_identical_runs(a: Path, b: Path) -> None:
+    """The last checkpoints of two runs hold the same bits: every weight, optimiser slot and random state."""
+    first, second = (load_checkpoint(run, prefer=LAST) for run in (a, b))
+    assert first.state["step"] == second.state["step"]
+    for name, tensor in first.model_state.items():
+        assert torch.equal(second.model_state[name], tensor), name
+    assert first.optimizer_state is not None and second.optimizer_state is not None
+    assert first.optimizer_state.keys() == second.optimizer_state.keys()
+    for name, slots in first.optimizer_state.items():
+        assert slots.keys() == second.optimizer_state[name].keys(), name
+        for slot, tensor in slots.items():
+            assert torch.equal(second.optimizer_state[name][slot], tensor), (name, slot)
+    assert first.rng.keys() == second.rng.keys()
+    for name, tensor in first.rng.items():
+        assert torch.equal(second.rng[name], tensor), name
+
+
+class TwoStops(CharTokenizer):
+    """A char tokenizer whose generations end at either of two ids."""
+
+    def __init__(self, chars: str, stops: tuple[int, ...]) -> None:
+        super().__init__(chars)
+        self.stops = stops
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.stops

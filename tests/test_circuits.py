@@ -4,14 +4,18 @@ training, each checked against a model wired by hand whose answer is known."""
 from __future__ import annotations
 
 import csv
+import html
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.testing import assert_close
 
+from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.generate import generate
@@ -19,6 +23,7 @@ from gptlab.inspection.detectors import repeat_ablation, repeated_tokens, score_
 from gptlab.inspection.hooks import hook_points, record
 from gptlab.inspection.lens import logit_lens, stage_points
 from gptlab.inspection.patching import patch_activations, patch_value
+from gptlab.inspection.tokens import token_label
 from gptlab.model import GPT
 from gptlab.tokenizer import tokenizer_from_dict
 
@@ -145,8 +150,16 @@ def test_lens_last_stage_is_the_model_and_the_answer_appears_after_block_1() -> 
 
 # ------------------------------------------------------------------------------------- patching
 
+# A patched run repeats the clean run's arithmetic downstream of the patch, but only as long as every
+# kernel computes a row the same way whatever the other rows hold; BLAS libraries and GPU kernels do not
+# promise that (the batch or the blocking may change the summation order), so "the same" is to rounding.
+# The fraction restored divides a logit difference by the clean-corrupted gap: float32 rounding of
+# logits of a few units (1e-6) over the random model's gap of 0.025 stays below 1e-4; a value that
+# truly carries part of the prediction moves the fraction by a tenth or more.
+PATCH_ATOL = 1e-3
 
-def test_patching_the_whole_residual_stream_restores_exactly_one(random_gpt: Any) -> None:
+
+def test_patching_the_whole_residual_stream_restores_one(random_gpt: Any) -> None:
     model = random_gpt(4)
     clean, corrupt = [1, 5, 2, 7, 7, 0], [1, 5, 9, 7, 3, 0]
     result = patch_activations(model, clean, corrupt)
@@ -154,10 +167,10 @@ def test_patching_the_whole_residual_stream_restores_exactly_one(random_gpt: Any
     for point in stage_points(model):
         with record(model, [point]) as values:
             clean_logits = model(idx)[0]
-        assert torch.equal(patch_value(model, bad, point, values[point], (slice(None),)), clean_logits)
-    assert result.residual[-1, -1] == 1.0  # the last position's last stage is its whole prediction
-    assert (result.residual[-1, :-1] == 0.0).all()  # nothing else at the last stage reaches it
-    assert (result.residual[0, [0, 1, 3, 5]] == 0.0).all()  # positions where the prompts agree
+        assert_close(patch_value(model, bad, point, values[point], (slice(None),)), clean_logits)
+    # the last position's last stage is its whole prediction; nothing else at the last stage reaches it
+    assert_close(result.residual[-1], torch.eye(6)[-1], atol=PATCH_ATOL, rtol=0)
+    assert_close(result.residual[0, [0, 1, 3, 5]], torch.zeros(4), atol=PATCH_ATOL, rtol=0)  # prompts agree
 
 
 def test_patching_traces_the_hand_wired_induction_path() -> None:
@@ -167,10 +180,11 @@ def test_patching_traces_the_hand_wired_induction_path() -> None:
     result = patch_activations(model, clean, corrupt)
     assert result.target == 0 and result.clean > result.corrupted
     assert result.heads[0, 0] > 0.9 and result.heads[1, 0] > 0.9  # previous-token head, then induction head
-    assert result.heads[0, 1] == 0.0 and result.heads[1, 1] == 0.0
+    assert_close(result.heads[:, 1], torch.zeros(2), atol=PATCH_ATOL, rtol=0)  # they write nothing
     assert result.residual[0, 2] > 0.9  # the input token at the changed position ...
     assert result.residual[1, 3] > 0.9  # ... moved one position on by layer 0 ...
-    assert result.residual[2, -1] == 1.0  # ... and to the last position by layer 1
+    # ... and to the last position by layer 1
+    assert_close(result.residual[2, -1], torch.tensor(1.0), atol=PATCH_ATOL, rtol=0)
 
 
 def test_patching_refuses_prompts_of_different_lengths(random_gpt: Any) -> None:
@@ -181,6 +195,7 @@ def test_patching_refuses_prompts_of_different_lengths(random_gpt: Any) -> None:
 # ------------------------------------------------------------------------------------- commands
 
 
+@pytest.mark.slow
 def test_heads_lens_and_patch_commands(trained_run: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture) -> None:
     run = str(trained_run)
@@ -193,8 +208,7 @@ def test_heads_lens_and_patch_commands(trained_run: Path, tmp_path: Path,
     assert [r["induction"] for r in rows] == sorted((r["induction"] for r in rows), reverse=True)
     assert main(["heads", run, "--ablate", "--out", str(tmp_path / "h.png")]) == 0
     assert "ablated" in capsys.readouterr().out
-    assert main(["lens", run, "--prompt", "the cat sat on", "--out", str(tmp_path / "l.png")]) == 0
-    assert main(["lens", run, "--prompt", "the cat sat on", "--out", str(tmp_path / "l.html"),
+    assert main(["lens", run, "--prompt", "the cat sat on", "--out", str(tmp_path / "l.png"),
                  "--position=-1"]) == 0
     assert main(["patch", run, "--clean", "the cat sat on", "--corrupt", "the dog sat on",
                  "--out", str(tmp_path / "p.png")]) == 0
@@ -202,7 +216,31 @@ def test_heads_lens_and_patch_commands(trained_run: Path, tmp_path: Path,
     assert "block 1" in out and "position 13" in out and "share of the difference restored" in out
     for name in ("h.png", "l.png", "p.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG_SIGNATURE
-    assert "<table>" in (tmp_path / "l.html").read_text(encoding="utf-8")
+
+
+def test_lens_page_shows_the_lens_and_the_models_own_prediction(trained_run: Path, tmp_path: Path) -> None:
+    prompt = "the cat sat on"
+    assert main(["lens", str(trained_run), "--prompt", prompt, "--out", str(tmp_path / "l.html")]) == 0
+    page = (tmp_path / "l.html").read_text(encoding="utf-8")
+    model, tokenizer = load_run(trained_run)
+    ids = tokenizer.encode(prompt)
+    lens = logit_lens(model, tokenizer, prompt, ids)
+    rows = re.findall(r"<tr><th>(.*?)</th>(.*?)</tr>", page)
+    assert [html.unescape(h) for h in re.findall(r"<th>(.*?)</th>", rows[0][1])] == lens.labels
+    assert [html.unescape(stage) for stage, _ in rows[1:]] == lens.stages
+    cell = re.compile(r'<td title="(.*?)" style="background:rgba\(40,110,200,([0-9.]+)\)">(.*?)</td>')
+    cells = [cell.findall(row) for _, row in rows[1:]]  # per stage: (top five, p(next), top token) each
+    assert [[html.unescape(top) for _, _, top in row] for row in cells] == [
+        [token_label(tokenizer, int(i)) for i in stage[:, 0]] for stage in lens.top_ids]
+    shaded = torch.tensor([[float(p) for _, p, _ in row] for row in cells])  # (S, T); the last has no next
+    assert_close(shaded[:, :-1], lens.next_probs, atol=5e-4, rtol=0)
+    # The last stage is the model itself: its top five on the page are the softmax of its own logits.
+    with torch.no_grad():
+        own = model(torch.tensor([ids]))[0][0].softmax(-1).topk(5)  # (T, 5)
+    pairs = [re.findall(r"(.+?) ([0-9.]+)(?:, |$)", html.unescape(title)) for title, _, _ in cells[-1]]
+    assert [[label for label, _ in row] for row in pairs] == [
+        [token_label(tokenizer, int(i)) for i in row] for row in own.indices]
+    assert_close(torch.tensor([[float(p) for _, p in row] for row in pairs]), own.values, atol=5e-4, rtol=0)
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -267,5 +305,8 @@ def test_resume_with_track_heads_is_exact(tmp_path: Path) -> None:
     whole, split = (load_checkpoint(tmp_path / name, prefer=LAST) for name in ("whole", "split"))
     for name, tensor in whole.model_state.items():
         assert torch.equal(tensor, split.model_state[name]), name
+    for name, slots in whole.optimizer_state.items():  # and every optimiser slot, bit for bit
+        for slot, tensor in slots.items():
+            assert torch.equal(tensor, split.optimizer_state[name][slot]), (name, slot)
     assert (tmp_path / "whole" / "metrics.csv").read_text().splitlines()[-1].split(",")[:-2] == \
         (tmp_path / "split" / "metrics.csv").read_text().splitlines()[-1].split(",")[:-2]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,56 @@ def test_user_mistakes_are_one_line(args: list[str], message: str, tmp_path: Pat
     assert err.startswith("gptlab: error: ") and err.count("\n") == 1
     assert message in err
     assert not (tmp_path / "d").exists()
+
+
+def train_briefly(tmp_path: Path, *extra: str) -> list[str]:
+    """`gptlab train` for 4 steps (evaluations at 0, 2 and 4) on a small text, with progress asked for."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    text = tmp_path / "text.txt"
+    text.write_text("to be or not to be, that is the question.\n" * 100, encoding="utf-8")
+    return ["train", "--preset", "tiny", "--data", str(text), "--out", str(tmp_path / "run"),
+            "--max-steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--samples", "0",
+            "--device", "cpu", *extra]
+
+
+@pytest.mark.slow  # trains 4 steps
+def test_off_a_terminal_progress_is_one_plain_line_per_evaluation(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(train_briefly(tmp_path)) == 0  # captured: stdout and stderr are not terminals
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "step/s" not in out + err and "it/s" not in out + err  # no bar
+    progress = [line for line in out.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in progress] == ["step 0/4", "step 2/4", "step 4/4"]
+    assert all("val loss" in line and "tokens/s" in line for line in progress)
+
+
+@pytest.mark.slow  # trains 4 steps
+def test_on_a_terminal_the_progress_bar_is_drawn(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    for stream in (sys.stdout, sys.stderr):  # the capture streams, standing in for a terminal
+        monkeypatch.setattr(stream, "isatty", lambda: True)
+    assert main(train_briefly(tmp_path)) == 0
+    assert "\r" in capsys.readouterr().err  # tqdm redraws its line in place
+    assert main(train_briefly(tmp_path / "quiet", "--no-progress")) == 0
+    assert "\r" not in capsys.readouterr().err
+
+
+@pytest.mark.slow  # trains 4 steps
+def test_training_ends_with_one_validation_figure_the_best_checkpoint_on_the_val_split(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """One validation loss is printed, said to be the best checkpoint's on the val split, and it is that:
+    the loss `evaluate_tokens` gives the best checkpoint on the run's val split."""
+    from gptlab.checkpoint import load_run
+    from gptlab.cli.text import EVAL_TOKENS
+    from gptlab.data import TokenData
+    from gptlab.evaluate import evaluate_tokens
+
+    assert main(train_briefly(tmp_path, "--no-progress")) == 0
+    report = capsys.readouterr().out.split("\nfinished at step 4")[1].splitlines()
+    figures = [line for line in report if re.search(r"loss \d", line)]
+    assert len(figures) == 1 and figures[0].startswith("best checkpoint on the val split: loss "), report
+    printed = float(figures[0].split("loss ")[1].split()[0])
+    model, _ = load_run(tmp_path / "run")
+    val = TokenData(tmp_path / "run" / "data").split("val")
+    reference = evaluate_tokens(model, val, max_tokens=EVAL_TOKENS)
+    assert printed == pytest.approx(reference.loss, abs=1e-4)

@@ -40,6 +40,11 @@ EXPORT_CASES = [
     (dict(vocab_size=300, block_size=64, n_layer=3, n_head=3, n_embd=48, ffn_mult=2.0, norm_eps=1e-6,
           dropout=0.1, attention="naive"), "bpe"),
     (dict(vocab_size=256, block_size=57, n_layer=2, n_head=5, n_embd=20), "byte"),
+    # what `make demo` trains (the erf GELU), nanoGPT's CPU recipe (no biases), biases on all but q, k, v
+    (dict(vocab_size=65, block_size=64, n_layer=2, n_head=4, n_embd=32, ffn="gelu_exact"), "char"),
+    (dict(vocab_size=300, block_size=60, n_layer=2, n_head=2, n_embd=24, ffn="gelu_exact", bias=False),
+     "bpe"),
+    (dict(vocab_size=256, block_size=56, n_layer=1, n_head=3, n_embd=18, qkv_bias=False), "byte"),
 ]
 # Import: GPT2Config arguments; a bpe tokenizer of 300 ids goes beside the weights.
 IMPORT_CASES = [
@@ -118,6 +123,7 @@ def assert_same_behaviour(ours: GPT, hf: Any, vocab_size: int) -> dict[str, floa
 # ------------------------------------------------------------------------------------ export
 
 
+@pytest.mark.slow
 @needs_transformers
 @pytest.mark.parametrize(("values", "kind"), EXPORT_CASES)
 def test_export_loads_in_transformers_and_behaves_the_same(
@@ -183,11 +189,11 @@ def test_incompatible_configs_list_every_field() -> None:
         convert.check_exportable(config)
     message = str(err.value)
     for field, value, need in [("positions", "'rope'", "'learned'"), ("norm", "'rmsnorm'", "'layernorm'"),
-                               ("ffn", "'swiglu'", "'gelu'"), ("arrangement", "'post'", "'pre'"),
-                               ("tied", "False", "True"), ("bias", "False", "True"),
+                               ("ffn", "'swiglu'", "one of 'gelu', 'gelu_exact'"),
+                               ("arrangement", "'post'", "'pre'"), ("tied", "False", "True"),
                                ("causal", "False", "True")]:
         assert f"{field}={value} (GPT-2 needs {need})" in message
-    assert "\n" not in message
+    assert "\n" not in message and "bias" not in message  # biases GPT-2 has room for: zeros
     # Options GPT-2 has room for (any kernel, dropout, feed-forward width, epsilon) all export.
     convert.check_exportable(ModelConfig(attention="naive", dropout=0.2, ffn_mult=3.0, norm_eps=1e-6))
 
@@ -195,6 +201,7 @@ def test_incompatible_configs_list_every_field() -> None:
 # ------------------------------------------------------------------------------------ import
 
 
+@pytest.mark.slow
 @needs_transformers
 @pytest.mark.parametrize("values", IMPORT_CASES)
 @pytest.mark.parametrize("weights", ["safetensors", "pytorch_model.bin"])
@@ -279,7 +286,7 @@ def test_every_source_tensor_is_used_and_every_target_filled(change: Any, messag
     state = dict(hf.state_dict())
     change(state)
     with pytest.raises(ValueError, match=message):
-        convert.from_gpt2_state(state, config)
+        convert.from_gpt2_state(state.items(), config)
 
 
 def test_gpt2_configs_gptlab_cannot_run_are_refused_with_every_reason() -> None:
@@ -310,6 +317,24 @@ def test_gptlab_to_hf_to_gptlab_is_bit_identical(tmp_path: Path, bpe: BPETokeniz
     assert all(torch.equal(back.model_state[name], t) for name, t in original.items())
     assert back.tokenizer == bpe.to_dict()
     assert back.model_config == config.replace(attention="sdpa")  # the kernel is not part of GPT-2
+
+
+@needs_transformers
+def test_erf_gelu_without_biases_comes_back_with_zero_biases(tmp_path: Path, bpe: BPETokenizer) -> None:
+    """nanoGPT's recipe (erf GELU, no biases) exports, and imports back as the same function: the erf
+    GELU again, and biases that are all zero."""
+    config = ModelConfig(**EXPORT_CASES[4][0])
+    model = save_run(tmp_path / "run", config, bpe)
+    convert.export_hf(tmp_path / "run", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["activation_function"] == "gelu"
+    convert.import_hf(tmp_path / "hf", tmp_path / "back")
+    back = load_checkpoint(tmp_path / "back")
+    assert back.model_config == config.replace(bias=True)
+    biases = [t for name, t in back.model_state.items() if name.endswith(".bias")]
+    assert len(biases) == 6 * config.n_layer + 1 and all(not t.any() for t in biases)
+    ids = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert_close(load_run(tmp_path / "back")[0](ids)[0], model(ids)[0], atol=1e-5, rtol=0)
 
 
 @needs_transformers

@@ -196,3 +196,100 @@ def test_every_tool_runs_on_an_imported_llama(tmp_path: Path, capsys: pytest.Cap
     assert all((tmp_path / f"{name}.png").stat().st_size > 0 for name in pictures)
     tuned = load_checkpoint(tmp_path / "tuned")
     assert tuned.model_config.kv_heads == 2 and tuned.tokenizer["kind"] == "hf"
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders as larger models ship them: shards, several end-of-sequence ids, generation_config.json
+
+
+def sharded_folder(folder: Path, family: str, eos: list[int], generation: dict[str, Any]) -> Any:
+    """A random model saved in shards of at most 20 kB, with a tokenizer, several eos ids in config.json
+    and `generation` as its generation_config.json; returns the transformers model read back from it."""
+    from transformers import AutoModelForCausalLM
+
+    hf = hf_model(family, 4, 2, family == "qwen2", 300)
+    hf.config.eos_token_id = eos
+    hf.generation_config.eos_token_id = None  # written below, as the model's authors would
+    hf.save_pretrained(folder, max_shard_size="20KB")
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    tokenizer_folder(folder)
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.mark.parametrize(("family", "eos", "generation", "stop_ids", "defaults"), [
+    ("llama", [2, 5], {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7,
+                       "eos_token_id": [2, 7]},
+     [2, 5, 7], {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "max_new_tokens": 7}),
+    ("qwen2", [9], {"do_sample": False, "max_new_tokens": 6, "eos_token_id": 9},
+     [9], {"temperature": 0.0, "max_new_tokens": 6}),
+])
+def test_sharded_import_keeps_every_eos_id_and_the_generation_defaults(
+        tmp_path: Path, family: str, eos: list[int], generation: dict[str, Any], stop_ids: list[int],
+        defaults: dict[str, Any], capsys: pytest.CaptureFixture) -> None:
+    from gptlab.checkpoint import generation_defaults
+
+    hf = sharded_folder(tmp_path / "hf", family, eos, generation)
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    model, tokenizer = load_run(tmp_path / "run")
+    ids = torch.tensor([tokenizer.encode("Train a GPT on Shakespeare, then sample it.")])
+    with torch.no_grad():
+        assert_close(model(ids)[0], hf(ids).logits, atol=1e-5, rtol=0)
+    assert list(tokenizer.stop_ids) == stop_ids  # config.json's, then generation_config.json's others
+    assert generation_defaults(tmp_path / "run") == defaults
+    # `gptlab sample` takes the file's settings for the options it is not given; greedy is comparable
+    # with transformers' own generate, which reads the same generation_config.json
+    capsys.readouterr()
+    given = [] if defaults["temperature"] == 0 else ["--temperature", "0"]
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "Train a GPT", "--json", *given]) == 0
+    record = json.loads(capsys.readouterr().out)
+    prompt = torch.tensor([tokenizer.encode("Train a GPT")])
+    reference = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                            pad_token_id=0)[0, prompt.size(1):].tolist()
+    assert record["tokens"] == reference[:len(record["tokens"])]
+    assert len(reference) == defaults["max_new_tokens"] or reference[-1] in tokenizer.stop_ids
+    assert len(record["tokens"]) == len(reference) or record["stop_reason"] == "eot"
+
+
+def test_runs_without_a_generation_config_have_no_defaults(tmp_path: Path) -> None:
+    from gptlab.checkpoint import generation_defaults
+
+    hf_model("llama", 4, 2, False, 300).save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "generation_config.json").unlink(missing_ok=True)
+    tokenizer_folder(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
+    assert generation_defaults(tmp_path / "run") == {}
+
+
+def test_tensors_are_built_as_soon_as_their_parts_are_read() -> None:
+    """The shard reader hands tensors over one at a time; each target is built before the next is read,
+    so a sharded checkpoint is never held twice."""
+    from gptlab.checkpoint import gather_tensors
+
+    built: list[str] = []
+    read: list[str] = []
+
+    def stream() -> Any:
+        for name in ("q", "k", "other", "v", "norm"):
+            read.append(name)
+            yield name, torch.ones(1)
+
+    def build(target: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        built.append(f"{target} after {read[-1]}")
+        return torch.cat(parts)
+
+    out, others, missing = gather_tensors(stream(), {"qkv": ("q", "k", "v"), "ln": ("norm",), "x": ("y",)},
+                                          build)
+    assert built == ["qkv after v", "ln after norm"]
+    assert out["qkv"].shape == (3,) and set(others) == {"other"} and missing == ["y"]
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "default"}, {"type": "default"}])
+def test_default_rope_scaling_is_plain_rope(scaling: dict[str, Any]) -> None:
+    values = {"model_type": "llama", "vocab_size": 50, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 4}
+    assert model_config_from_llama({**values, "rope_scaling": scaling}) == model_config_from_llama(values)
+    with pytest.raises(ValueError, match="rope type 'dynamic'") as err:
+        model_config_from_llama({**values, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    assert "\n" not in str(err.value)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from conftest import assert_identical_runs
 from gptlab.checkpoint import LAST, load_checkpoint
 from gptlab.data import prepare
 from gptlab.train import resume
@@ -94,6 +95,18 @@ def test_a_two_process_checkpoint_resumes_in_one_process(data_dir: Path, tmp_pat
     result = resume(tmp_path / "split", progress=False)
     assert result.step == 20
     assert_same_run(tmp_path / "one", tmp_path / "split")
+
+
+def test_a_two_process_run_with_dropout_resumes_bit_for_bit(data_dir: Path, tmp_path: Path) -> None:
+    # Every rank draws its own dropout masks. Stopped between evaluations and resumed on the same two
+    # processes (the same slices, the same all-reduce order), the run must draw the masks an unbroken
+    # one draws on each rank and end with the same bits.
+    common = [*SETTINGS, "--data", str(data_dir), "--dropout", "0.1", "--max-steps", "8",
+              "--eval-interval", "4"]
+    gptlab("train", *common, "--out", str(tmp_path / "whole"), nproc=2)
+    gptlab("train", *common, "--out", str(tmp_path / "split"), "--stop-at", "3", nproc=2)
+    gptlab("train", "--resume", "--out", str(tmp_path / "split"), "--no-progress", "--samples", "0", nproc=2)
+    assert_identical_runs(tmp_path / "whole", tmp_path / "split")
 
 
 def test_batch_not_divisible_by_the_processes(data_dir: Path, tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ the fault and checks the clean outcome: the one-line error, and the files as the
 
 from __future__ import annotations
 
+import errno
 import json
 import resource
 import shutil
@@ -20,17 +21,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from conftest import assert_identical_runs
 from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data import prepare
-from gptlab.files import RunLock
+from gptlab.files import RunLock, atomic_write_text
 from gptlab.optim import learning_rate
-from gptlab.train import resume, train
+from gptlab.train import Trainer, resume, train
 
 MODEL = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
 TRAIN = TrainConfig(batch_size=4, max_steps=6, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_interval=3,
@@ -96,6 +97,7 @@ def test_a_second_writer_is_refused_naming_the_folder_and_the_holder(data_dir: P
     assert ((run / LAST).read_bytes(), (run / "metrics.csv").read_text()) == before
 
 
+@pytest.mark.slow
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path: Path) -> None:
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
@@ -166,6 +168,7 @@ def test_a_new_run_that_fails_early_leaves_no_folder(text_file: Path, tmp_path: 
     (["--tokenizer", "byte"], "--tokenizer"),
     (["--data", "shakespeare"], "--data"),
 ])
+@pytest.mark.slow
 def test_resume_refuses_options_that_would_change_the_run(data_dir: Path, tmp_path: Path, extra: list[str],
                                                           named: str, capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"
@@ -175,16 +178,15 @@ def test_resume_refuses_options_that_would_change_the_run(data_dir: Path, tmp_pa
     assert (run / LAST).read_bytes() == before
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_extends_a_finished_run_exactly(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "short", data_dir, MODEL, TRAIN, progress=False)
     result = resume(tmp_path / "short", progress=False, changes={"max_steps": 10})
     assert result.step == 10
     # the same as one run of 10 steps whose cosine ended at step 6: the schedule was kept, then min_lr
     train(tmp_path / "long", data_dir, MODEL, TRAIN.replace(max_steps=10, decay_steps=6), progress=False)
-    extended, whole = (load_checkpoint(tmp_path / name, prefer=LAST) for name in ("short", "long"))
-    for name, tensor in whole.model_state.items():
-        assert torch.equal(extended.model_state[name], tensor), name
-    config = extended.train_config
+    assert_identical_runs(tmp_path / "short", tmp_path / "long")
+    config = load_checkpoint(tmp_path / "short", prefer=LAST).train_config
     assert (config.max_steps, config.decay_steps) == (10, 6)
     assert [learning_rate(s, config) for s in (6, 9)] == [TRAIN.min_lr] * 2
     assert json.loads((tmp_path / "short" / "config.json").read_text())["train"]["max_steps"] == 10
@@ -226,27 +228,52 @@ def test_a_run_whose_data_moved_says_so_and_takes_the_new_place(data_dir: Path, 
 # 5. Saving by time, so kill -9 loses at most a minute; no temporary files left behind
 
 
-def test_time_based_saves_keep_resume_exact(data_dir: Path, tmp_path: Path) -> None:
-    often = TRAIN.replace(max_steps=8, eval_interval=100, save_every=1e-9)  # a save after every step
-    train(tmp_path / "split", data_dir, MODEL, often, stop_at=5, progress=False)
-    assert load_checkpoint(tmp_path / "split", prefer=LAST).state["step"] == 5
-    resume(tmp_path / "split", progress=False)
-    train(tmp_path / "whole", data_dir, MODEL, TRAIN.replace(max_steps=8, eval_interval=100), progress=False)
-    split, whole = (load_checkpoint(tmp_path / name, prefer=LAST) for name in ("split", "whole"))
-    for name, tensor in whole.model_state.items():
-        assert torch.equal(split.model_state[name], tensor), name
+class Killed(BaseException):
+    """kill -9 as the run folder sees it: the loop stops between two steps and saves nothing on the way
+    out (gptlab saves on the way out only for KeyboardInterrupt, SIGINT and SIGTERM)."""
+
+
+def test_a_crash_between_evaluations_resumes_exactly_from_the_time_based_save(
+        data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = MODEL.replace(dropout=0.1)  # so the saved random state matters
+    often = TRAIN.replace(max_steps=8, eval_interval=100, save_every=1e-9)  # evaluations at 0 and 8 only
+    step = Trainer.train_step
+
+    def crash_before_step_7(trainer: Trainer, *args: bool) -> tuple[float, bool, bool]:
+        if trainer.step == 6:
+            raise Killed
+        return step(trainer, *args)
+
+    monkeypatch.setattr(Trainer, "train_step", crash_before_step_7)
+    with pytest.raises(Killed):
+        train(tmp_path / "split", data_dir, model, often, progress=False)
+    monkeypatch.undo()
+    # Only a time-based save can have written step 6: the one evaluation so far was at step 0.
+    assert load_checkpoint(tmp_path / "split", prefer=LAST).state["step"] == 6
+    rows = (tmp_path / "split" / "metrics.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[0] for row in rows] == ["0"]
+    assert resume(tmp_path / "split", progress=False).step == 8
+    train(tmp_path / "whole", data_dir, model, often.replace(save_every=0), progress=False)
+    assert_identical_runs(tmp_path / "split", tmp_path / "whole")
 
 
 @pytest.mark.slow  # a real training process, killed
 def test_kill_9_between_evaluations_loses_at_most_save_every(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     trainer = long_run(data_dir, run, "--save-every", "0.5")
+    saved: set[int] = set()
+
+    def saved_twice_by_time() -> bool:  # the only evaluation is at step 0; later saves are time-based
+        if (run / LAST).exists():
+            saved.add(load_checkpoint(run, prefer=LAST).state["step"])
+        return len(saved - {0}) >= 2
+
     try:
-        wait_for(lambda: (run / LAST).exists() and load_checkpoint(run, prefer=LAST).state["step"] > 0)
+        wait_for(saved_twice_by_time)
     finally:
-        trainer.kill()
+        trainer.kill()  # SIGKILL at once: mid-step, or mid-save
         trainer.communicate()
-    assert load_checkpoint(run, prefer=LAST).state["step"] > 0  # the only evaluation was at step 0
+    assert load_checkpoint(run, prefer=LAST).state["step"] >= max(saved)  # whole, and no older than seen
 
 
 def test_temporary_files_of_a_killed_save_are_removed(data_dir: Path, tmp_path: Path) -> None:
@@ -374,21 +401,44 @@ def test_sigterm_saves_and_exits_143(data_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # a real process
-def test_sigterm_outside_training_exits_143_and_leaves_nothing(tmp_path: Path) -> None:
-    big = tmp_path / "big.txt"
-    big.write_text("the quick brown fox jumps over the lazy dog\n" * 1_600_000, encoding="utf-8")
-    preparing = gptlab_process("prepare", str(big), "--out", str(tmp_path / "data"), "--tokenizer", "byte")
-    time.sleep(3)  # python and torch are imported by then, even on a busy machine, and the text is in work
+def test_sigterm_outside_training_exits_143_and_leaves_nothing(text_file: Path, tmp_path: Path) -> None:
+    # `prepare` is held at its riskiest moment, its hidden staging folder half written, so the signal
+    # lands there on any machine however fast (a timed signal could arrive after the work was done).
+    script = textwrap.dedent(f"""
+        import sys, time
+        import gptlab.data
+        from gptlab.cli import main
+
+        def hold(path):
+            print("staging", flush=True)
+            time.sleep(600)
+
+        gptlab.data.fsync = hold
+        sys.exit(main(["prepare", {str(text_file)!r}, "--out", {str(tmp_path / "data")!r}]))
+    """)
+    preparing = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    assert preparing.stdout is not None and preparing.stdout.readline() == "staging\n"
+    assert [p.name for p in tmp_path.glob(".data.tmp-*")] != []  # the signal comes mid-write
     preparing.send_signal(signal.SIGTERM)
     _, err = preparing.communicate(timeout=60)
-    assert preparing.returncode in (143, 0), err  # 0 only if it finished first on a fast machine
-    if preparing.returncode == 143:
-        assert "Traceback" not in err
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt"]
+    assert preparing.returncode == 143, err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_file_size_limits_raise_instead_of_killing() -> None:
-    # Python ignores SIGXFSZ, so a write past RLIMIT_FSIZE raises OSError (EFBIG): the premise of the
-    # full-disk test above.
-    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
-    assert resource.RLIMIT_FSIZE >= 0
+def test_a_write_past_the_file_size_limit_raises_and_keeps_the_old_file(tmp_path: Path) -> None:
+    # The premise of the full-disk test above, in this process: Python ignores SIGXFSZ, so a write past
+    # RLIMIT_FSIZE raises OSError (EFBIG) instead of killing, and atomic_write removes its temporary file.
+    path = tmp_path / "notes.txt"
+    atomic_write_text(path, "the old text\n")
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(OSError) as raised:
+            atomic_write_text(path, "x" * 8192)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert raised.value.errno == errno.EFBIG
+    assert path.read_text() == "the old text\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from conftest import TwoStops
 from gptlab.checkpoint import Checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.common import decoding_layout, faster_layout
@@ -75,6 +76,7 @@ SAMPLED_COMBINATIONS = [c if i % 7 == 0 else pytest.param(*c, marks=pytest.mark.
                         for i, c in enumerate(COMBINATIONS)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("positions", "norm", "arrangement", "tied"), SAMPLED_COMBINATIONS)
 def test_cached_logits_equal_recomputed_logits_for_200_steps(
     positions: str, norm: str, arrangement: str, tied: bool, random_model: RandomModel
@@ -101,6 +103,7 @@ def test_cached_logits_equal_recomputed_logits_for_200_steps(
     assert cached.cache.keys.data_ptr() == keys  # the cache memory was allocated once for the run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("positions", POSITIONS)
 def test_greedy_and_seeded_generation_are_the_same_without_the_cache(
     positions: str, random_model: RandomModel
@@ -161,6 +164,7 @@ def test_learned_positions_restart_from_the_last_half_window(random_model: Rando
     assert start > WINDOW  # the window moved more than once
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("positions", POSITIONS)
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_batched_prompts_of_different_lengths_give_each_prompt_its_own_tokens(
@@ -356,6 +360,37 @@ def test_a_batch_stops_when_every_row_has_ended(random_model: RandomModel) -> No
     for row, free_row, end in zip(rows, free, ends, strict=True):
         assert row[: end + 1] == free_row[: end + 1]
         assert set(row[end + 1 :]) <= {eot}  # a row that ended keeps yielding the end-of-text token
+
+
+def test_a_padded_model_vocabulary_is_never_sampled(random_model: RandomModel) -> None:
+    """A byte tokenizer (256 ids) on a model of 300: at temperature 2 the 44 padded ids would come up
+    many times in 200 tokens; generate and stream_text never choose one."""
+    model = random_model(vocab_size=300, positions="rope")
+    sampling = SamplingConfig(temperature=2.0, max_new_tokens=200)
+    rows = rows_of(generate(model, [[65], [66, 67]], sampling, generator=seeded(1), vocab_size=256))
+    assert all(len(r) == 200 and max(r) < 256 for r in rows)
+    chunks = list(stream_text(model, ByteTokenizer(), "AB", sampling, generator=seeded(2)))
+    assert len(chunks) == 201 and max(c.token for c in chunks[:-1]) < 256
+
+
+def test_generation_stops_at_any_of_several_stop_ids(random_model: RandomModel) -> None:
+    model = random_model()
+    sampling = SamplingConfig(max_new_tokens=30)
+    free = rows_of(generate(model, [[1], [2, 3]], sampling, generator=seeded(8)))
+    stops = (free[0][3], free[1][3])
+    ends = [min(row.index(s) for s in stops if s in row) for row in free]
+    rows = rows_of(generate(model, [[1], [2, 3]], sampling, generator=seeded(8), eot_id=stops))
+    assert len(rows[0]) == max(ends) + 1
+    for row, free_row, end in zip(rows, free, ends, strict=True):
+        assert row[: end + 1] == free_row[: end + 1]
+        assert set(row[end + 1 :]) <= {row[end]}  # an ended row repeats the id it stopped at
+    chars = "abcdefghijklm"
+    text = [c.token for c in stream_text(model, CharTokenizer(chars), "b", sampling, generator=seeded(4))]
+    never = next(i for i in range(13) if i not in text)
+    for pair in ((text[5], never), (never, text[5])):  # either position of the pair stops it
+        chunks = list(stream_text(model, TwoStops(chars, pair), "b", sampling, generator=seeded(4)))
+        assert [c.token for c in chunks[:-1]] == text[: text.index(text[5]) + 1]
+        assert chunks[-1].stop_reason == "eot"
 
 
 # ----------------------------------------------------------------------------------------------- CLI

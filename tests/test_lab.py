@@ -44,6 +44,7 @@ def test_run_lab_passes_and_covers_every_section() -> None:
     assert not missing, f"no check for {sorted(missing)}"
 
 
+@pytest.mark.slow
 def test_checks_do_not_depend_on_order_or_disturb_the_callers_generator() -> None:
     torch.manual_seed(0)
     expected_draw = torch.rand(3)

@@ -132,6 +132,7 @@ COMBINATIONS = [c if i in (1, 4) else pytest.param(*c, marks=pytest.mark.slow)
                 for i, c in enumerate(itertools.product(POSITIONS, (True, False)))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("positions", "tied"), COMBINATIONS)
 def test_cached_int8_decoding_equals_recomputed_int8_decoding(
     positions: str, tied: bool, tiny_config: Callable[..., ModelConfig]

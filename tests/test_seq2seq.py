@@ -120,6 +120,7 @@ def test_naive_and_fused_kernels_compute_the_same_model() -> None:
     torch.testing.assert_close(naive(src, tgt)[0], fused(src, tgt)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("positions", "arrangement", "norm", "ffn"), OPTIONS[::3])
 def test_cached_decoding_equals_recomputing(positions: str, arrangement: str, norm: str, ffn: str) -> None:
     model = model_of(tiny(positions=positions, arrangement=arrangement, norm=norm, ffn=ffn, block_size=16))
@@ -288,6 +289,9 @@ def test_seq2seq_resume_is_exact(tmp_path: Path) -> None:
     assert split.state["step"] == whole.state["step"] == 12
     for name, tensor in whole.model_state.items():
         assert torch.equal(tensor, split.model_state[name]), name
+    for name, slots in whole.optimizer_state.items():  # and every optimiser slot, bit for bit
+        for slot, tensor in slots.items():
+            assert torch.equal(tensor, split.optimizer_state[name][slot]), (name, slot)
 
 
 @pytest.mark.slow  # reverse_run trains 500 steps
@@ -350,6 +354,7 @@ def test_cli_mistakes_are_one_line(reverse_run: Path, argv: tuple[str, ...], mes
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_trains_a_task_and_refuses_a_language_model_run(tmp_path: Path) -> None:
     code, out, _ = run_cli("seq2seq", "train", "--task", "add", "--max-len", "2", "--n-embd", "32",
                            "--max-steps", "6", "--eval-interval", "3", "--eval-examples", "20",

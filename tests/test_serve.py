@@ -4,6 +4,7 @@ httpx and with the official `openai` client. Batched rows are held to `generate`
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,13 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from gptlab.checkpoint import load_run  # noqa: E402
+from gptlab.checkpoint import load_checkpoint, load_run, save_checkpoint  # noqa: E402
 from gptlab.config import SamplingConfig  # noqa: E402
 from gptlab.generate import stream_text  # noqa: E402
 from gptlab.inspection import attention_maps  # noqa: E402
-from gptlab.serve.app import MAX_BODY, Served, create_app  # noqa: E402
+from gptlab.serve.app import MAX_BODY, create_app  # noqa: E402
+from gptlab.serve.completion import Served  # noqa: E402
+from gptlab.serve.schemas import Limits  # noqa: E402
 
 NAME = "tiny"
 MAX_TOKENS = 100_000  # the test server's limit: long enough to hold a row while a client goes away
@@ -57,7 +60,7 @@ def start_server(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]:
 @pytest.fixture(scope="module")
 def live(trained_run: Path) -> Iterator[Live]:
     model, tokenizer = load_run(trained_run)
-    app = create_app(model, tokenizer, NAME, max_batch=8, max_tokens=MAX_TOKENS)
+    app = create_app(model, tokenizer, NAME, max_batch=8, limits=Limits(max_tokens=MAX_TOKENS))
     url, server, thread = start_server(app)
     yield Live(url, app.state.served)
     server.should_exit = True
@@ -138,11 +141,11 @@ def test_openai_client_streams_with_logprobs_and_several_choices(live: Live) -> 
     stream = client.completions.create(model=NAME, prompt="the cat", max_tokens=20, temperature=0.7, seed=4,
                                        logprobs=5, stream=True)
     chunks = list(stream)
-    token_chunks = [c for c in chunks if c.choices and c.choices[0].logprobs]
+    token_chunks = [c for c in chunks if c.choices[0].logprobs]
     assert len(token_chunks) == 20  # one chunk per token
-    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    text = "".join(c.choices[0].text for c in chunks)
     assert text == alone(live, "the cat", SamplingConfig(temperature=0.7, max_new_tokens=20, seed=4))[0]
-    assert chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == 7
+    assert all(c.usage is None for c in chunks)  # usage only when stream_options asks for it
     # The first token's log-probabilities are the model's raw ones after the prompt.
     model, tokenizer = live.served.model, live.served.tokenizer
     with torch.no_grad():
@@ -159,6 +162,41 @@ def test_openai_client_streams_with_logprobs_and_several_choices(live: Live) -> 
     second = alone(live, "a dog", SamplingConfig(temperature=0.7, max_new_tokens=8, seed=7))[0]
     assert whole.choices[3].text == second  # choice i is seeded with seed + i
     assert whole.usage.prompt_tokens == 12 and whole.usage.completion_tokens == 32
+
+
+def test_the_documented_streaming_loop_runs(live: Live) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    shown = io.StringIO()  # not captured stdout: other tests' logging handlers may write there too
+    for chunk in client.completions.create(model=NAME, prompt="the cat", max_tokens=12, temperature=0,
+                                           stream=True):
+        print(chunk.choices[0].text, end="", file=shown)  # OpenAI's own example: every chunk has a choice
+    text, _ = alone(live, "the cat", SamplingConfig(temperature=0.0, max_new_tokens=12))
+    assert shown.getvalue() == text
+
+
+def test_usage_is_streamed_only_when_asked_as_openai_does(live: Live) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+    chunks = list(client.completions.create(model=NAME, prompt=["the cat", "a dog"], max_tokens=6, seed=1,
+                                            stream=True, stream_options={"include_usage": True}))
+    *tokens, last = chunks
+    assert last.choices == [] and last.usage.prompt_tokens == 12 and last.usage.completion_tokens == 12
+    assert all(c.choices and c.usage is None for c in tokens)
+    # On the wire every other chunk says "usage": null, as OpenAI's do; without the option none has the key.
+    body = {"prompt": "a", "max_tokens": 3, "stream": True}
+    cases = (({"include_usage": True}, True), ({"include_usage": False}, False), (None, False))
+    for options, null_usage in cases:
+        sent = {**body, "stream_options": options} if options is not None else body
+        lines = [line for line in httpx.post(f"{live.url}/v1/completions", json=sent).text.split("\n\n")
+                 if line.startswith("data: {")]
+        chunks = [json.loads(line[6:]) for line in lines]
+        with_choices = [c for c in chunks if c["choices"]]
+        assert all(("usage" in c and c["usage"] is None) == null_usage for c in with_choices), options
+        assert len(chunks) - len(with_choices) == int(null_usage)
+    refused = httpx.post(f"{live.url}/v1/completions",
+                         json={"prompt": "a", "stream_options": {"include_usage": True}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream_options"
 
 
 def raw_post(url: str, body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
@@ -188,6 +226,8 @@ BAD = [
     (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "the cat", "model": "gpt-4"}).encode(), 404, "model"),
     (json.dumps({"prompt": "the cat", "echo": True}).encode(), 400, "echo"),
+    (json.dumps({"prompt": "the cat", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop"),  # over 4
+    (json.dumps({"prompt": "the cat", "stop": "x" * 65}).encode(), 400, "stop"),  # over 64 characters
     (json.dumps({"prompt": "a" * (MAX_BODY + 1)}).encode(), 413, None),
 ]
 
@@ -202,7 +242,7 @@ def test_bad_requests_are_4xx_openai_errors_naming_the_field(live: Live) -> None
     assert httpx.get(f"{live.url}/v1/nowhere").json()["error"]["code"] == "not_found"
     # The server is alive and its batch empty after all that.
     assert httpx.post(f"{live.url}/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 200
-    assert live.served.scheduler.active == 0
+    assert wait_for(lambda: live.served.scheduler.active == 0, 2.0)  # the last row leaves after its event
 
 
 def test_a_client_that_goes_away_frees_its_slot_at_once(live: Live) -> None:
@@ -216,7 +256,7 @@ def test_a_client_that_goes_away_frees_its_slot_at_once(live: Live) -> None:
     # A whole (not streamed) completion: the client closes its socket while the row decodes.
     with socket.create_connection(("127.0.0.1", int(live.url.rsplit(":", 1)[1]))) as sock:
         payload = json.dumps({"prompt": "a dog", "max_tokens": MAX_TOKENS}).encode()
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
         assert wait_for(lambda: scheduler.active == 1, 2.0)
     assert wait_for(lambda: scheduler.active == 0, 2.0), "the whole completion kept its slot"
@@ -278,3 +318,30 @@ def test_serve_command_prints_its_address_and_stops_on_ctrl_c(trained_run: Path)
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.slow  # starts a server process
+def test_the_serve_command_applies_a_runs_generation_defaults(trained_run: Path, tmp_path: Path) -> None:
+    """A run whose generation_config said greedy (temperature 0, as `import-hf` saves it) is served
+    greedily to requests that leave temperature out: two seeds give `stream_text`'s greedy text."""
+    run = tmp_path / "greedy-run"
+    run.mkdir()
+    for name in ("best.safetensors", "last.safetensors"):
+        checkpoint = load_checkpoint(trained_run / name)
+        save_checkpoint(run / name, replace(checkpoint, state={**checkpoint.state,
+                                                                "generation": {"temperature": 0.0}}))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "gptlab", "serve", str(run), "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = process.stdout.readline().split(" at ")[1].split()[0]
+        asked = [{"prompt": "the cat", "max_tokens": 12, "seed": seed} for seed in (1, 2)]
+        texts = [httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()["choices"][0]["text"]
+                 for body in asked]
+    finally:
+        process.kill()
+        process.wait()
+    model, tokenizer = load_run(trained_run)
+    greedy = "".join(c.text for c in stream_text(model, tokenizer, "the cat",
+                                                 SamplingConfig(temperature=0.0, max_new_tokens=12)))
+    assert texts == [greedy, greedy]

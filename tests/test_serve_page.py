@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,15 +13,18 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from torch.testing import assert_close
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
 
 from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import SamplingConfig  # noqa: E402
 from gptlab.inspection import attention_maps  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from test_serve import Live, alone, start_server  # noqa: E402
+from test_serve_tokens import THE, successor_model  # noqa: E402
 
 if TYPE_CHECKING:
     from browser import Chromium
@@ -37,6 +41,11 @@ def live(trained_run: Path) -> Iterator[tuple[str, object]]:
     yield url, app.state.served
     server.should_exit = True
     thread.join(timeout=10)
+
+
+def shown_label(text: str) -> str:
+    """The page's `visible`: a space as an open box, line breaks and tabs escaped, nothing as "∅"."""
+    return text.replace(" ", "\u2423").replace("\n", "\\n").replace("\t", "\\t") or "\u2205"
 
 
 def click(browser: Chromium, selector: str) -> None:
@@ -78,7 +87,12 @@ def test_playground_streams_tokens_and_shows_alternatives_and_attention(live: tu
     click(browser, "#output .tok[data-i='2']")
     wait_until(browser, "document.querySelectorAll('#attention span').length > 0")
     alternatives = browser.js(SPANS.format("#alternatives li", "s.textContent"))
-    assert len(alternatives) == 5
+    # The same request to the API: the page lists token 2's five alternatives with their probabilities.
+    request = {"prompt": "the cat", "max_tokens": 20, "temperature": 0.7, "seed": 4, "logprobs": 5}
+    api = httpx.post(f"{url}/v1/completions", json=request).json()["choices"][0]["logprobs"]
+    top = api["top_logprobs"][2].items()
+    assert alternatives == [f"{shown_label(t)}  {100 * math.exp(lp):.1f}%" for t, lp in top]
+    assert_close(torch.tensor(probs), torch.tensor(api["token_logprobs"]).exp(), atol=1e-4, rtol=0)
     context = "the cat" + expected[:2]  # the text whose last token chose token 2
     model, tokenizer = served.model, served.tokenizer
     maps = attention_maps(model, tokenizer, context, tokenizer.encode(context), layer=0, head=0)
@@ -89,3 +103,39 @@ def test_playground_streams_tokens_and_shows_alternatives_and_attention(live: tu
     screenshot = browser.call("Page.captureScreenshot", format="png")["data"]
     assert base64.b64decode(screenshot)[:8] == PNG_SIGNATURE
 
+
+
+@pytest.mark.slow  # starts a headless Chromium
+def test_playground_joins_the_pieces_of_a_character(browser: Chromium) -> None:
+    model, tokenizer = successor_model(THE)  # a byte model that answers "é>" with "thé."
+    app = create_app(model, tokenizer, "bytes")
+    url, server, thread = start_server(app)
+    try:
+        browser.open(url + "/")
+        for field, value in (("prompt", "é>"), ("max-tokens", 5), ("temperature", 0)):
+            browser.js(f"document.getElementById('{field}').value = {json.dumps(str(value))}")
+        click(browser, "#generate")
+        wait_until(browser, "document.getElementById('output').dataset.state === 'done'")
+        assert browser.js(SPANS.format("#output .tok", "s.textContent")) == ["t", "h", "é", "."]
+        assert browser.js(SPANS.format("#output .tok", "Number(s.dataset.i)")) == [0, 1, 2, 4]
+        api = httpx.post(f"{url}/v1/completions", json={"prompt": "é>", "max_tokens": 5, "temperature": 0,
+                                                        "logprobs": 5}).json()["choices"][0]["logprobs"]
+        assert api["tokens"][2:4] == ["bytes:\\xc3", "bytes:\\xa9"]
+        probs = browser.js(SPANS.format("#output .tok", "Number(s.dataset.prob)"))
+        p = torch.tensor(api["token_logprobs"]).exp()
+        assert_close(torch.tensor(probs), torch.stack([p[0], p[1], p[2] * p[3], p[4]]), atol=1e-4, rtol=0)
+
+        click(browser, "#output .tok[data-i='4']")  # the ".": its query attends over "é>thé"
+        wait_until(browser, "document.querySelectorAll('#attention span').length > 0")
+        labels = browser.js(SPANS.format("#attention span", "s.textContent"))
+        assert labels == ["é", ">", "t", "h", "é"] and "\ufffd" not in browser.js(
+            "document.getElementById('attention').textContent")
+        reply = httpx.post(f"{url}/v1/attention", json={"text": "é>thé", "layer": 0, "head": 0}).json()
+        w = torch.tensor(reply["weights"])
+        weights = browser.js(SPANS.format("#attention span", "Number(s.dataset.weight)"))
+        assert_close(torch.tensor(weights), torch.stack([w[0] + w[1], w[2], w[3], w[4], w[5] + w[6]]),
+                     atol=1e-4, rtol=0)
+        assert not [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from conftest import assert_identical_runs
 from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run, save_checkpoint
 from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.data import prepare
@@ -58,23 +59,18 @@ def test_resume_is_exact(data_dir: Path, tmp_path: Path) -> None:
     half = train(tmp_path / "split", data_dir, MODEL, TRAIN, stop_at=17, progress=False)
     assert half.step == 17
     resume(tmp_path / "split", progress=False)
-    whole = load_checkpoint(tmp_path / "whole", prefer=LAST)
-    split = load_checkpoint(tmp_path / "split", prefer=LAST)
-    assert whole.state["step"] == split.state["step"] == 40
-    for name, tensor in whole.model_state.items():
-        assert torch.equal(tensor, split.model_state[name]), name
-    for name, tensor in whole.rng.items():
-        assert torch.equal(tensor, split.rng[name]), name
+    assert load_checkpoint(tmp_path / "split", prefer=LAST).state["step"] == 40
+    assert_identical_runs(tmp_path / "whole", tmp_path / "split")
 
 
+@pytest.mark.slow
 def test_muon_resume_is_exact_and_splits_the_parameters(data_dir: Path, tmp_path: Path) -> None:
     muon = TRAIN.replace(max_steps=12, optimizer="muon", muon_lr=0.03, eval_interval=6)
     train(tmp_path / "whole", data_dir, MODEL, muon, progress=False)
     train(tmp_path / "split", data_dir, MODEL, muon, stop_at=7, progress=False)
     resume(tmp_path / "split", progress=False)
-    whole, split = (load_checkpoint(tmp_path / name, prefer=LAST) for name in ("whole", "split"))
-    for name, tensor in whole.model_state.items():
-        assert torch.equal(tensor, split.model_state[name]), name
+    assert_identical_runs(tmp_path / "whole", tmp_path / "split")
+    whole = load_checkpoint(tmp_path / "whole", prefer=LAST)
     # Muon's momentum is saved for exactly the blocks' Linear weights, AdamW's moments for the rest
     slots = {name: set(state) for name, state in whole.optimizer_state.items()}
     hidden = {name for name in slots if ".h." in name and name.endswith("weight") and "ln_" not in name}
@@ -303,6 +299,7 @@ def test_eval_scores_every_token_once(data_dir: Path, tmp_path: Path) -> None:
     assert_close(torch.tensor(result.loss), loss)
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_the_checkpoint(data_dir: Path, tmp_path: Path) -> None:
     from gptlab.cli import main
 
@@ -319,7 +316,7 @@ def test_fine_tuning_starts_from_the_checkpoint(data_dir: Path, tmp_path: Path) 
     assert start.model_config == base.model_config and start.tokenizer == base.tokenizer
     for name, tensor in base.model_state.items():
         assert torch.equal(start.model_state[name], tensor), name
-    assert main(["train", "--out", tuned_dir, "--resume", "--no-progress", "--samples", "0"]) == 0
+    assert main([*args, "--resume"]) == 0  # the same command again continues it
     tuned = load_checkpoint(tmp_path / "tuned", prefer=LAST)
     assert tuned.state["step"] == 3
     embedding = "transformer.wte.weight"
@@ -331,3 +328,36 @@ def test_fine_tuning_starts_from_the_checkpoint(data_dir: Path, tmp_path: Path) 
     with pytest.raises(ValueError, match="prepared with another tokenizer"):
         train(tmp_path / "wrong", tmp_path / "other", MODEL, TRAIN, init_from=tmp_path / "base",
               progress=False)
+
+
+@pytest.mark.slow  # trains 4 steps in 3 commands
+def test_the_same_command_with_resume_continues_and_a_different_value_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`make demo`'s command line (a preset, a text, a folder), shrunk by options, given again with
+    --resume: every value it gives equals the run's, so the run continues; a value that differs is refused,
+    named with the run's value and the new one."""
+    from gptlab.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat. a dog sat on the rug.\n" * 60, encoding="utf-8")
+    run = tmp_path / "run"
+    command = ["train", "--preset", "demo", "--data", str(text), "--out", str(run), "--n-layer", "1",
+               "--n-embd", "32", "--block-size", "16", "--batch-size", "8", "--lr", "6e-3",
+               "--max-steps", "4", "--eval-interval", "2", "--eval-batches", "1", "--no-progress",
+               "--samples", "0"]
+    assert main([*command, "--stop-at", "2"]) == 0
+    assert load_checkpoint(run, prefer=LAST).state["step"] == 2
+    before = (run / LAST).read_bytes()
+    for different, named in ((["--lr", "0.1"], "--lr (lr 0.006 -> 0.1)"),
+                             (["--n-head", "2"], "--n-head (n_head 4 -> 2)"),
+                             (["--preset", "tiny"], "--preset tiny (n_head 4 -> 2, min_lr 0.0006 -> 0.0003"),
+                             (["--data", str(tmp_path / "other.txt")], "--data (text ")):
+        capsys.readouterr()
+        assert main([*command, "--resume", *different]) == 2, different
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and named in err and "would change it" in err, err
+        assert (run / LAST).read_bytes() == before
+    assert main([*command, "--resume"]) == 0
+    assert load_checkpoint(run, prefer=LAST).state["step"] == 4
+    # the library compares values too: the run's own learning rate is no change
+    assert resume(run, progress=False, changes={"lr": 0.006, "max_steps": 5}).step == 5

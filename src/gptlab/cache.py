@@ -5,8 +5,12 @@ layer's keys and values and compute only the new positions. `GPT.forward(idx, ca
 the tokens the cache has not seen; the cache gives them positions and a mask, and each attention
 layer stores its new keys and values here and attends over all the held ones.
 
-Shape legend: L layers, B batch, Hkv key/value heads (H unless grouped), S cache slots, T new tokens,
-hs head size.
+One class serves both users: `generate` (a padded batch whose rows start together, allocated once
+per run) and the server's scheduler (rows with their own counts and positions that join and leave
+at any step, in a cache that grows and shrinks with what they need: `resize`, `clear`, `move`).
+
+Shape legend: L layers, B batch (rows), Hkv key/value heads (H unless grouped), S slots per row,
+T new tokens, hs head size.
 """
 
 from __future__ import annotations
@@ -18,29 +22,39 @@ from gptlab.config import ModelConfig
 EMPTY = torch.iinfo(torch.long).max  # the position of an unused slot: after every query, so never seen
 
 
-class KVCache:
-    """Every layer's keys and values of the tokens fed so far, allocated once for a generation run.
+def kv_cache_bytes(config: ModelConfig, rows: int, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of the keys and values of `rows` rows x `tokens` tokens: what a cache of that size holds."""
+    per_token = 2 * config.n_layer * config.kv_heads * config.head_size  # a key and a value per layer
+    return rows * tokens * per_token * dtype.itemsize
 
-    A forward pass with a cache takes only the new tokens. `advance` gives them their slots and
-    positions (continuing from the tokens already held) and builds their queries' mask; each layer
-    then stores its new keys and values with `update` and attends over all the held ones.
-    - Slots fill in order and wrap around (a ring) once `capacity` tokens have been fed; a chunk of
-      several tokens must not wrap, or it would overwrite keys its own queries need.
+
+class KVCache:
+    """Every layer's keys and values of the tokens fed so far, row by row.
+
+    A forward pass with a cache takes only the new tokens of the rows in `batch` (all rows unless
+    `select` narrowed it). `advance` gives them their slots and positions (continuing each row's own
+    count) and builds their queries' mask; each layer then stores its new keys and values with
+    `update` and attends over all the held ones.
+    - Each row's slots fill in order and wrap around (a ring of `capacity` slots) once it has been fed
+      that many tokens; a chunk of several tokens must not wrap, or it would overwrite keys its own
+      queries need, and rows fed several tokens at once must all hold the same count.
     - Each slot remembers its token's position and whether it is real or left padding. A query at
-      position p sees the real keys at positions p - block_size < j <= p: the causal mask of §7.3,
-      limited to the context window (a band). With capacity = block_size a wrapped ring only ever
-      overwrites a key that just left every later query's window.
+      position p sees the real keys at positions p - window < j <= p (window = block_size): the causal
+      mask of §7.3 limited to the context window (a band). With capacity >= window a wrapped ring only
+      ever overwrites a key that just left every later query's window; a smaller capacity must hold
+      every token a row will be fed (generate and the scheduler size it so).
     - Row b's next tokens after `reset(pad, first)` are pad[b] padding tokens, then real tokens at
       positions first[b], first[b] + 1, ...; padding takes the position of the first real token and
       may see anything (its outputs are never used), so no query row is empty.
-    - The mask is None when every query sees every held key (one new token per row, no padding,
-      nothing wrapped or out of the window: most batch-1 steps), sparing the kernel a masked path.
+    - The mask is None when every query sees every held key (one new token per row, equal counts, no
+      padding, nothing wrapped or out of the window: most batch-1 steps), sparing the kernel a masked path.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, capacity: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
-        self.capacity = capacity or config.block_size
+        self.config, self.device, self.dtype = config, device, dtype
         self.window = config.block_size
+        self.capacity = capacity or config.block_size
         shape = (config.n_layer, batch_size, config.kv_heads, self.capacity, config.head_size)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hs)
         self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hs)
@@ -48,40 +62,59 @@ class KVCache:
         self.slot_real = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)  # (B, S)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.first = torch.zeros_like(self.pad)  # (B,)
-        self.padded = False  # whether any row starts with padding
-        self.fed = 0  # tokens fed since the last reset, padding included
-        self.start, self.n_new = 0, 0  # the first slot of the tokens being fed, and how many they are
-        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # theirs, (B, T)
+        self.fed = [0] * batch_size  # tokens fed to each row since its reset, padding included
+        self.batch = slice(0, batch_size)  # the rows the next forward pass runs
+        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # the new ones', (B, T)
         self.mask: torch.Tensor | None = None  # (B, 1, T, S), or None when every query sees every key
+        self._start: int | None = 0  # the slot the new tokens start at when every row shares it
+        self._write = self.pad  # otherwise each row's slot for its one new token, (B,)
+        self._used = 0  # slots of the fullest row in the batch
+
+    @property
+    def size(self) -> int:
+        """How many rows the cache holds."""
+        return len(self.fed)
 
     def reset(self, pad: torch.Tensor, first: torch.Tensor | None = None) -> None:
         """Forget every token, keeping the memory; see the class docstring for `pad` and `first` (B,)."""
         self.pad = pad
-        self.padded = bool(pad.any())
         self.first = torch.zeros_like(pad) if first is None else first
-        self.fed = 0
+        self.fed = [0] * self.size
+        self.batch = slice(0, self.size)
         self.slot_positions.fill_(EMPTY)
         self.slot_real.fill_(False)
 
+    def select(self, start: int, stop: int) -> None:
+        """Run the next forward passes on rows start .. stop - 1 only (a contiguous range: views, no copy)."""
+        self.batch = slice(start, stop)
+
     def advance(self, n_new: int) -> torch.Tensor:
-        """Take the next n_new tokens: their positions (B, T), and their queries' mask in `self.mask`."""
-        start = self.fed % self.capacity
-        assert n_new == 1 or self.fed + n_new <= self.capacity, "a chunk of tokens may not wrap the ring"
-        column = self.fed + torch.arange(n_new, device=self.pad.device)  # tokens since the reset, (T,)
-        real = column >= self.pad[:, None]  # (B, T)
-        self.positions = self.first[:, None] + (column - self.pad[:, None]).clamp(min=0)  # (B, T)
-        self.start, self.n_new = start, n_new
-        self.slot_positions[:, start:start + n_new] = self.positions
-        self.slot_real[:, start:start + n_new] = real
-        self.fed += n_new
-        if n_new == 1 and not self.padded and self.fed <= min(self.window, self.capacity):
+        """Take the selected rows' next n_new tokens: positions (B, T), their queries' mask in `self.mask`."""
+        fed, device = self.fed[self.batch], self.slot_positions.device
+        uniform = min(fed) == max(fed)
+        assert n_new == 1 or (uniform and fed[0] + n_new <= self.capacity), \
+            "a chunk of tokens may not wrap the ring, and rows fed a chunk must hold the same count"
+        pad, first = self.pad[self.batch, None], self.first[self.batch, None]  # (B, 1)
+        column = torch.tensor(fed, device=device)[:, None] + torch.arange(n_new, device=device)  # (B, T)
+        real = column >= pad  # (B, T)
+        self.positions = first + (column - pad).clamp(min=0)  # (B, T)
+        slots = column % self.capacity  # (B, T)
+        self._start = fed[0] % self.capacity if uniform else None
+        self._write = slots[:, 0]
+        self.slot_positions[self.batch].scatter_(1, slots, self.positions)
+        self.slot_real[self.batch].scatter_(1, slots, real)
+        self.fed[self.batch] = [f + n_new for f in fed]
+        longest = max(fed) + n_new
+        self._used = min(longest, self.capacity)
+        padded = bool((pad > 0).any())
+        if n_new == 1 and uniform and not padded and longest <= min(self.window, self.capacity):
             self.mask = None  # one query per row, no padding, nothing wrapped or out of the window
             return self.positions
-        used = min(self.fed, self.capacity)
-        keys_at = self.slot_positions[:, None, :used]  # (B, 1, S)
+        keys_at = self.slot_positions[self.batch, None, :self._used]  # (B, 1, S)
         queries_at = self.positions[:, :, None]  # (B, T, 1)
         visible = (keys_at <= queries_at) & (keys_at > queries_at - self.window)  # (B, T, S)
-        visible &= self.slot_real[:, None, :used] | ~real[:, :, None]  # real queries skip padding
+        # real queries skip padding
+        visible &= self.slot_real[self.batch, None, :self._used] | ~real[:, :, None]
         self.mask = visible.unsqueeze(1)  # (B, 1, T, S): the same for every head
         return self.positions
 
@@ -89,8 +122,64 @@ class KVCache:
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store one layer's new keys and values (B, Hkv, T, hs); return all it holds (B, Hkv, S, hs)."""
-        held_keys, held_values = self.keys[layer], self.values[layer]  # (B, Hkv, S, hs) each
-        held_keys.narrow(2, self.start, self.n_new).copy_(keys)
-        held_values.narrow(2, self.start, self.n_new).copy_(values)
-        used = min(self.fed, self.capacity)  # unused slots take no part
-        return held_keys.narrow(2, 0, used), held_values.narrow(2, 0, used)
+        held_keys = self.keys[layer, self.batch]  # (B, Hkv, S, hs)
+        held_values = self.values[layer, self.batch]
+        if self._start is not None:  # every row writes the same slots: a plain copy
+            held_keys.narrow(2, self._start, keys.size(2)).copy_(keys)
+            held_values.narrow(2, self._start, values.size(2)).copy_(values)
+        else:  # one token per row, each into its own slot
+            rows = torch.arange(keys.size(0), device=keys.device)
+            held_keys[rows, :, self._write] = keys[:, :, 0]  # (B, Hkv, hs)
+            held_values[rows, :, self._write] = values[:, :, 0]
+        return held_keys[:, :, :self._used], held_values[:, :, :self._used]  # unused slots take no part
+
+    # ----------------------------------------------------------------- rows that join, leave and grow
+
+    def resize(self, batch_size: int, capacity: int) -> None:
+        """Reallocate for `batch_size` rows of `capacity` slots, keeping what the first rows hold.
+
+        Dropped rows must be unused; a new capacity must hold every kept row's tokens unwrapped
+        (a wrapped row's slots are numbered modulo the old capacity).
+        """
+        kept = min(batch_size, self.size)
+        if capacity != self.capacity:
+            assert all(f <= min(capacity, self.capacity) for f in self.fed[:kept]), \
+                "a resize would lose or renumber a row's tokens"
+        assert not any(self.fed[kept:]), "a resize would drop a row that holds tokens"
+        shape = (self.config.n_layer, batch_size, self.config.kv_heads, capacity, self.config.head_size)
+        slots = min(capacity, self.capacity)
+        old = (self.keys, self.values, self.slot_positions, self.slot_real, self.pad, self.first)
+        self.keys = self.keys.new_zeros(shape)  # (L, B, Hkv, S, hs)
+        self.values = self.values.new_zeros(shape)
+        self.keys[:, :kept, :, :slots] = old[0][:, :kept, :, :slots]
+        self.values[:, :kept, :, :slots] = old[1][:, :kept, :, :slots]
+        self.slot_positions = old[2].new_full((batch_size, capacity), EMPTY)  # (B, S)
+        self.slot_positions[:kept, :slots] = old[2][:kept, :slots]
+        self.slot_real = old[3].new_zeros(batch_size, capacity)  # (B, S)
+        self.slot_real[:kept, :slots] = old[3][:kept, :slots]
+        self.pad, self.first = old[4].new_zeros(batch_size), old[5].new_zeros(batch_size)  # (B,)
+        self.pad[:kept], self.first[:kept] = old[4][:kept], old[5][:kept]
+        self.fed = self.fed[:kept] + [0] * (batch_size - kept)
+        self.capacity, self.batch = capacity, slice(0, batch_size)
+
+    def clear(self, row: int) -> None:
+        """Forget one row's tokens: its next token is real, at position 0."""
+        self.fed[row] = 0
+        self.pad[row] = self.first[row] = 0
+        self.slot_positions[row].fill_(EMPTY)
+        self.slot_real[row].fill_(False)
+
+    def rewind(self, row: int) -> None:
+        """Forget the newest token of `row` (it was only a stand-in; see the scheduler's decode step)."""
+        self.fed[row] -= 1
+        slot = self.fed[row] % self.capacity
+        self.slot_positions[row, slot] = EMPTY
+        self.slot_real[row, slot] = False
+
+    def move(self, source: int, target: int) -> None:
+        """Copy row `source` into row `target` (so the rows in use stay the first ones)."""
+        self.keys[:, target] = self.keys[:, source]
+        self.values[:, target] = self.values[:, source]
+        for state in (self.slot_positions, self.slot_real, self.pad, self.first):
+            state[target] = state[source]
+        self.fed[target] = self.fed[source]

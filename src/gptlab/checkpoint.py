@@ -13,7 +13,7 @@ at any moment leaves the previous checkpoint intact.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,12 +145,28 @@ def checkpoint_architecture(path: str | Path, prefer: str = BEST) -> str:
 
 def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
     """Read a checkpoint file (or a run folder's `prefer` checkpoint) onto the CPU."""
+    return _read(path, prefer, tensors=True)
+
+
+def load_header(path: str | Path, prefer: str = BEST) -> Checkpoint:
+    """A checkpoint's configs, tokenizer and state from its JSON header alone: no tensor is read, so
+    `model_state`, `optimizer_state` and `rng` are empty."""
+    return _read(path, prefer, tensors=False)
+
+
+def generation_defaults(run_path: str | Path) -> dict[str, Any]:
+    """The sampling settings a run asks for when the user gives none (an imported model's
+    generation_config.json): keys among temperature, top_p, top_k, max_new_tokens; empty for most runs."""
+    return dict(load_header(run_path).state.get("generation", {}))
+
+
+def _read(path: str | Path, prefer: str, tensors: bool) -> Checkpoint:
     file = resolve_checkpoint(path, prefer)
     groups: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": {}}
     try:
         with safe_open(str(file), framework="pt", device="cpu") as reader:
             metadata = reader.metadata() or {}
-            for key in reader.keys():
+            for key in reader.keys() if tensors else ():
                 prefix, _, rest = key.partition(".")
                 groups.setdefault(prefix, {})[rest] = reader.get_tensor(key)
     except Exception as err:  # safetensors raises its own error types for a damaged file
@@ -202,6 +218,35 @@ def check_tensors(model_state: Mapping[str, torch.Tensor], shapes: Mapping[str, 
         if model_state[name].shape != shape:
             found = tuple(model_state[name].shape)
             raise ValueError(f"{name} has shape {found}, its config says {tuple(shape)}")
+
+
+def gather_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], sources: Mapping[str, tuple[str, ...]],
+    build: Callable[[str, list[torch.Tensor]], torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """Build each target of `sources` (target -> the source names it is made of) with `build(target,
+    parts)` as soon as all its parts have been read, so that weights streamed tensor by tensor, shard by
+    shard, are never all held twice. Returns the targets, the source tensors no target names (the caller
+    decides which of them may be left over) and the names that never came."""
+    target_of = {name: target for target, names in sources.items() for name in names}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # target -> the parts read so far
+    built: dict[str, torch.Tensor] = {}
+    others: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        target = target_of.get(name)
+        if target is None:
+            others[name] = tensor
+            continue
+        if target in built or name in parts.get(target, {}):
+            raise ValueError(f"the weights hold {name} twice")
+        got = parts.setdefault(target, {})
+        got[name] = tensor
+        if len(got) == len(sources[target]):
+            del parts[target]  # the parts now belong to `build` alone
+            built[target] = build(target, [got[n] for n in sources[target]])
+    missing = sorted(n for target, names in sources.items() if target not in built for n in names
+                     if n not in parts.get(target, {}))
+    return built, others, missing
 
 
 def require_architecture(found: str, path: str | Path, expect: str) -> None:

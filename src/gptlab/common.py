@@ -1,9 +1,11 @@
-"""Shared plumbing for every entry point: device and precision choice, seeding, the decoding layout."""
+"""Shared plumbing for every entry point: device and precision choice, seeding, the decoding layout,
+whether progress bars are shown."""
 
 from __future__ import annotations
 
 import contextlib
 import random
+import sys
 import time
 
 import numpy as np
@@ -31,6 +33,12 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError(f"device={name!r} was asked for but MPS is not available: use --device cpu")
     return device
+
+
+def on_terminal() -> bool:
+    """Whether stdout and stderr are both terminals: a progress bar redraws in place there, but becomes
+    thousands of lines in a log file, a pipe or CI's output, where one line per evaluation is printed."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
 
 
 def cpu_has_bf16_matmul() -> bool:

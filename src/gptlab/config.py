@@ -95,6 +95,11 @@ def check_choice(owner: str, name: str, value: str, choices: typing.Iterable[str
         raise ValueError(f"{owner}.{name}={value!r} is not one of: {', '.join(choices)}")
 
 
+def flag(field: str) -> str:
+    """The command-line option of a config field: max_steps -> --max-steps."""
+    return "--" + field.replace("_", "-")
+
+
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A dataclass field carrying its command-line help and allowed values."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})

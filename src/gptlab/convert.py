@@ -13,11 +13,14 @@ an explicit name map that is the identity, plus two facts about GPT-2's files:
   `h.N.attn.masked_bias`) and may lack the `transformer.` prefix. Those buffers are skipped by name
   (gptlab builds its mask from the config); every other tensor must be used.
 Every conversion checks completeness: each source tensor used, each target filled, each shape
-asserted. Reading and writing folders needs only safetensors, torch and tokenizers;
-`transformers` (the `hf` extra) is imported only by `to_transformers`.
+asserted. Reading and writing folders (hf_folder.py reads the weight files, sharded or not) needs
+only safetensors, torch and tokenizers; `transformers` (the `hf` extra) is imported only by
+`to_transformers`.
 
 Deliberate choices:
-- The feed-forward width travels as GPT-2's `n_inner`, so any `ffn_mult` exports.
+- The feed-forward width travels as GPT-2's `n_inner`, so any `ffn_mult` exports. The erf GELU
+  (`gelu_exact`) exports as GPT-2's `activation_function: "gelu"`, and a model without biases (or
+  without some) exports with zero biases: both give the same logits in transformers.
 - gptlab has no attention-weight dropout: exports set `attn_pdrop=0`; imports take `resid_pdrop`.
 - Tokenizers: `bpe` exports its own tokenizers JSON; `gpt2` rebuilds GPT-2's vocabulary and merges
   from tiktoken's ranks; `char` and `byte` have no Hugging Face equivalent and are not exported.
@@ -27,19 +30,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from gptlab.checkpoint import (
     BEST,
     Checkpoint,
     architecture,
     check_tensors,
+    gather_tensors,
     load_checkpoint,
     model_tensors,
     require_architecture,
@@ -56,6 +60,7 @@ from gptlab.convert_llama import (
     to_llama_state,
 )
 from gptlab.files import atomic_write, atomic_write_text
+from gptlab.hf_folder import eos_ids, generation_config, generation_defaults, read_tensors, token_ids
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, ImportedTokenizer, tokenizer_from_dict
 
@@ -75,13 +80,15 @@ GPT2_DEFAULTS: dict[str, Any] = {
     "layer_norm_epsilon": 1e-5, "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
     "add_cross_attention": False, "tie_word_embeddings": True,
 }
-# What GPT-2 needs of a gptlab ModelConfig (ffn_mult is free: it becomes n_inner).
+# What GPT-2 needs of a gptlab ModelConfig (ffn_mult is free: it becomes n_inner; biases are free: a
+# model without them exports zeros, which add nothing).
 GPT2_NEEDS: dict[str, Any] = {
-    "positions": "learned", "norm": "layernorm", "ffn": "gelu", "arrangement": "pre", "tied": True,
-    "bias": True, "causal": True,
+    "positions": "learned", "norm": "layernorm", "arrangement": "pre", "tied": True, "causal": True,
 }
-# Both are the tanh approximation of GELU, which gptlab's `gelu` is; they differ only in rounding.
-TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
+# gptlab's GELUs as GPT-2's config names them: the tanh form is `gelu_new`, the erf form `gelu`.
+GPT2_ACTIVATIONS = {"gelu": "gelu_new", "gelu_exact": "gelu"}
+# What an imported `activation_function` is in gptlab: both tanh forms differ from `gelu` only in rounding.
+FROM_GPT2_ACTIVATION = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "gelu": "gelu_exact"}
 
 
 @dataclass(frozen=True)
@@ -104,9 +111,10 @@ def gpt2_problems(config: ModelConfig) -> list[str]:
         for name, need in GPT2_NEEDS.items()
         if getattr(config, name) != need
     ]
-    if config.kv_heads != config.n_head or config.attn_bias != config.bias:
-        problems.append(f"n_kv_head={config.n_kv_head}, qkv_bias={config.qkv_bias} "
-                        "(GPT-2 needs None for both)")
+    if config.ffn not in GPT2_ACTIVATIONS:
+        problems.append(f"ffn={config.ffn!r} (GPT-2 needs one of {', '.join(map(repr, GPT2_ACTIVATIONS))})")
+    if config.kv_heads != config.n_head:
+        problems.append(f"n_kv_head={config.n_kv_head} (GPT-2 needs None: a key/value head per head)")
     return problems
 
 
@@ -139,7 +147,7 @@ def gpt2_config(config: ModelConfig, eot_id: int | None = None) -> dict[str, Any
         "n_layer": config.n_layer,
         "n_head": config.n_head,
         "n_inner": None if config.ffn_hidden == 4 * config.n_embd else config.ffn_hidden,
-        "activation_function": "gelu_new",
+        "activation_function": GPT2_ACTIVATIONS[config.ffn],
         "resid_pdrop": config.dropout,
         "embd_pdrop": config.dropout,
         "attn_pdrop": 0.0,
@@ -162,9 +170,9 @@ def model_config_from_gpt2(hf: Mapping[str, Any]) -> ModelConfig:
     needs = {"model_type": "gpt2", "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
              "add_cross_attention": False, "tie_word_embeddings": True}
     problems = [f"{k}={get(k)!r} (gptlab needs {v!r})" for k, v in needs.items() if get(k) != v]
-    if get("activation_function") not in TANH_GELUS:
+    if get("activation_function") not in FROM_GPT2_ACTIVATION:
         problems.append(f"activation_function={get('activation_function')!r} "
-                        f"(gptlab needs one of {', '.join(TANH_GELUS)})")
+                        f"(gptlab needs one of {', '.join(FROM_GPT2_ACTIVATION)})")
     if problems:
         raise ValueError(f"this GPT-2 config cannot be loaded into gptlab: {'; '.join(problems)}")
     n_embd = get("n_embd")
@@ -172,7 +180,7 @@ def model_config_from_gpt2(hf: Mapping[str, Any]) -> ModelConfig:
     config = ModelConfig(
         vocab_size=get("vocab_size"), block_size=get("n_positions"), n_layer=get("n_layer"),
         n_head=get("n_head"), n_embd=n_embd, ffn_mult=n_inner / n_embd, dropout=get("resid_pdrop"),
-        norm_eps=get("layer_norm_epsilon"),
+        norm_eps=get("layer_norm_epsilon"), ffn=FROM_GPT2_ACTIVATION[get("activation_function")],
     )
     if config.ffn_hidden != n_inner:
         raise ValueError(f"n_inner={n_inner} is not a width gptlab can express as ffn_mult * n_embd={n_embd}")
@@ -184,7 +192,8 @@ def model_config_from_gpt2(hf: Mapping[str, Any]) -> ModelConfig:
 
 
 def gpt2_names(config: ModelConfig) -> dict[str, str]:
-    """gptlab tensor name -> GPT-2 checkpoint name, for every stored tensor (the tied head is not one)."""
+    """gptlab tensor name -> GPT-2 checkpoint name, for every tensor GPT-2 stores (the tied head is not one;
+    a gptlab model without biases lacks those names)."""
     names = [f"{PREFIX}wte.weight", f"{PREFIX}wpe.weight"]
     names += [f"{PREFIX}h.{i}.{part}" for i in range(config.n_layer) for part in BLOCK_TENSORS]
     names += [f"{PREFIX}ln_f.weight", f"{PREFIX}ln_f.bias"]
@@ -207,41 +216,54 @@ def _is_conv1d(name: str) -> bool:
 
 
 def to_gpt2_state(model_state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """GPT-2 tensors from gptlab's (tied head left out), Conv1D weights as (in, out)."""
+    """GPT-2 tensors from gptlab's (tied head left out), Conv1D weights as (in, out).
+
+    GPT-2 has every bias; one the model leaves out (bias=False, qkv_bias=False) is written as zeros,
+    which compute exactly what no bias does.
+    """
     shapes = _expected_shapes(config)
     names = gpt2_names(config)
-    assert set(names) == set(shapes), f"the name map misses {sorted(set(shapes) - set(names))}"
+    absent = set(names) - set(shapes)
+    assert set(shapes) <= set(names), f"the name map misses {sorted(set(shapes) - set(names))}"
+    assert all(name.endswith(".bias") for name in absent), f"only biases may be absent, not {sorted(absent)}"
     check_tensors(model_state, shapes)
     out = {}
     for ours, theirs in names.items():
+        if ours in absent:  # as wide as its layer's output: rows of the (out, in) weight, or the norm's
+            weight = model_state[ours.removesuffix("bias") + "weight"]
+            out[theirs] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+            continue
         tensor = model_state[ours]
         out[theirs] = (tensor.t() if _is_conv1d(ours) else tensor).contiguous()
     return out
 
 
 def from_gpt2_state(
-    hf_state: Mapping[str, torch.Tensor], config: ModelConfig
+    hf_tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """gptlab tensors (float32) from a GPT-2 state dict, and the mask buffers that were skipped.
+    """gptlab tensors (float32) from GPT-2's (name, tensor) pairs, and the mask buffers that were skipped.
 
-    Every other source tensor must be used and every target filled with the expected shape.
+    Every other source tensor must be used and every target filled with the expected shape; each
+    tensor is converted as soon as it is read (`gather_tensors`), so shards are read one at a time.
     """
-    # GPT2Model checkpoints (the original release) name tensors without the `transformer.` prefix.
-    state = {k if k.startswith(PREFIX) or k == HEAD else PREFIX + k: v for k, v in hf_state.items()}
-    skipped = sorted(k for k in state if MASK_BUFFER.match(k))
-    head = state.get(HEAD)
-    names, shapes = gpt2_names(config), _expected_shapes(config)
-    missing = sorted(theirs for theirs in names.values() if theirs not in state)
-    unused = sorted(set(state) - set(names.values()) - set(skipped) - {HEAD})
-    if missing or unused:
-        raise ValueError(f"the GPT-2 weights do not fit config.json: missing {missing}, unused {unused}")
-    out = {}
-    for ours, theirs in names.items():
-        tensor = state[theirs].float()
+    shapes = _expected_shapes(config)
+
+    def build(ours: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        tensor = parts[0].float()
         tensor = (tensor.t() if _is_conv1d(ours) else tensor).contiguous()
         if tensor.shape != shapes[ours]:
-            raise ValueError(f"{theirs} has shape {tuple(state[theirs].shape)}, not what config.json says")
-        out[ours] = tensor
+            raise ValueError(f"{ours} has shape {tuple(parts[0].shape)}, not what config.json says")
+        return tensor
+
+    # GPT2Model checkpoints (the original release) name tensors without the `transformer.` prefix.
+    named = ((k if k.startswith(PREFIX) or k == HEAD else PREFIX + k, v) for k, v in hf_tensors)
+    sources = {ours: (theirs,) for ours, theirs in gpt2_names(config).items()}
+    out, others, missing = gather_tensors(named, sources, build)
+    skipped = sorted(k for k in others if MASK_BUFFER.match(k))
+    unused = sorted(set(others) - set(skipped) - {HEAD})
+    if missing or unused:
+        raise ValueError(f"the GPT-2 weights do not fit config.json: missing {missing}, unused {unused}")
+    head = others.get(HEAD)
     if head is not None and not torch.equal(head.float(), out[f"{PREFIX}wte.weight"]):
         raise ValueError("lm_head.weight differs from transformer.wte.weight: gptlab's GPT-2 ties them")
     return out, skipped
@@ -358,21 +380,20 @@ def _tokenizer_config(eot: str | None, bos: str | None, block_size: int) -> dict
 
 def read_llama_tokenizer(hf_dir: Path, hf_config: Mapping[str, Any],
                          vocab_size: int) -> tuple[dict[str, Any], str]:
-    """An imported model's tokenizer.json as an `hf` tokenizer, with the ids its config.json gives."""
+    """An imported model's tokenizer.json as an `hf` tokenizer, with the ids its config.json gives; every
+    end-of-sequence id it or generation_config.json lists ends a generation (Llama 3 lists three)."""
     if not (hf_dir / "tokenizer.json").is_file():
         raise ValueError(f"{hf_dir} has no tokenizer.json: save the tokenizer beside the model "
                          "(tokenizer.save_pretrained) and import again")
-
-    def first(value: Any) -> int | None:  # eos_token_id may be a list: generation stops at any of them
-        return value[0] if isinstance(value, list) and value else value if isinstance(value, int) else None
-
+    ends = eos_ids(hf_dir, dict(hf_config))
+    bos = token_ids(hf_config.get("bos_token_id")) or token_ids(generation_config(hf_dir).get("bos_token_id"))
     tokenizer = ImportedTokenizer((hf_dir / "tokenizer.json").read_text(encoding="utf-8"),
-                                  first(hf_config.get("eos_token_id")), first(hf_config.get("bos_token_id")))
+                                  ends[0] if ends else None, bos[0] if bos else None, ends[1:])
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer in {hf_dir} has {tokenizer.vocab_size} ids but the model only "
                          f"{vocab_size}: the tokenizer files belong to another model")
-    ends = "no end-of-sequence id" if tokenizer.eot_id is None else f"end of sequence {tokenizer.eot_id}"
-    return tokenizer.to_dict(), f"tokenizer from tokenizer.json: {tokenizer.vocab_size} ids, {ends} (hf kind)"
+    said = "no end-of-sequence id" if not ends else f"end of sequence {', '.join(map(str, ends))}"
+    return tokenizer.to_dict(), f"tokenizer from tokenizer.json: {tokenizer.vocab_size} ids, {said} (hf kind)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -432,24 +453,6 @@ def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
     return Conversion(out_dir, ["model.safetensors", *texts], notes)
 
 
-def read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a folder's model.safetensors, else of its pytorch_model.bin (no code run on load)."""
-    safetensors_file, pickle_file = hf_dir / "model.safetensors", hf_dir / "pytorch_model.bin"
-    if not safetensors_file.is_file() and not pickle_file.is_file():
-        raise FileNotFoundError(f"{hf_dir} holds neither model.safetensors nor pytorch_model.bin (sharded "
-                                "checkpoints are not supported): give a folder written by save_pretrained")
-    try:
-        if safetensors_file.is_file():
-            return load_file(str(safetensors_file))
-        # weights_only=True unpickles only tensors and plain containers: a hostile file runs nothing.
-        state = torch.load(pickle_file, map_location="cpu", weights_only=True)
-    except Exception as err:  # safetensors and pickle raise their own error types for a damaged file
-        raise ValueError(f"cannot read the weights in {hf_dir} ({err})") from err
-    if not (isinstance(state, dict) and all(isinstance(t, torch.Tensor) for t in state.values())):
-        raise ValueError(f"{pickle_file} does not hold a state dict of tensors")
-    return state
-
-
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
     """Read a local GPT-2, Llama or Qwen2 folder into a gptlab run folder (best.safetensors, config.json)."""
     hf_dir = Path(hf_dir)
@@ -459,21 +462,27 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
     family = hf_config.get("model_type", "gpt2") if isinstance(hf_config, dict) else None
     if family == "gpt2":
         config = model_config_from_gpt2(hf_config)
-        tensors, skipped = from_gpt2_state(read_tensors(hf_dir), config)
         tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
+        generation = generation_defaults(hf_dir)
+        tensors, skipped = from_gpt2_state(read_tensors(hf_dir), config)
     elif family in FAMILIES:
         config = model_config_from_llama(hf_config)
-        tensors, skipped = from_llama_state(read_tensors(hf_dir), config, _expected_shapes(config))
         tokenizer, note = read_llama_tokenizer(hf_dir, hf_config, config.vocab_size)
+        generation = generation_defaults(hf_dir)
+        tensors, skipped = from_llama_state(read_tensors(hf_dir), config, _expected_shapes(config))
     else:
         raise ValueError(f"{hf_dir / 'config.json'} has model_type={family!r}: gptlab imports gpt2, "
                          f"{', '.join(FAMILIES)}")
     out_dir = _new_folder(out_dir)
-    state = {"step": 0, "imported_from": str(hf_dir)}
+    # `generation` is what `gptlab sample` uses for the settings its user leaves out (generation_defaults)
+    state = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
     save_checkpoint(out_dir / BEST, Checkpoint(config, tokenizer, tensors, state=state))
-    resolved = {"model": config.to_dict(), "imported_from": str(hf_dir)}
+    resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir)}
     atomic_write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
     notes = [note]
+    if generation:
+        shown = ", ".join(f"{key} {value}" for key, value in generation.items())
+        notes.append(f"generation_config.json: {shown}, used by `gptlab sample` unless given")
     if skipped:
         what = "causal-mask" if family == "gpt2" else "rotary-frequency"
         notes.append(f"skipped {len(skipped)} {what} buffers (such as {skipped[0]}), which are not weights: "
@@ -513,10 +522,10 @@ def from_transformers(hf_model: Any) -> GPT:
     values = hf_model.config.to_dict()
     if values.get("model_type") in FAMILIES:
         config = model_config_from_llama(values)
-        tensors, _ = from_llama_state(hf_model.state_dict(), config, _expected_shapes(config))
+        tensors, _ = from_llama_state(hf_model.state_dict().items(), config, _expected_shapes(config))
     else:
         config = model_config_from_gpt2(values)
-        tensors, _ = from_gpt2_state(hf_model.state_dict(), config)
+        tensors, _ = from_gpt2_state(hf_model.state_dict().items(), config)
     model = GPT(config)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {HEAD}, f"missing {missing}, unexpected {unexpected}"

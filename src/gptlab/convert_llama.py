@@ -8,18 +8,18 @@ group their key/value heads (`n_kv_head`). The conversion is an explicit name ma
 - gate_proj is c_gate, up_proj is c_fc (the features multiplied by the gate), down_proj is c_proj.
 - Both rotate the feature pairs (i, i + hs/2) of each head ("rotate half") with the frequencies
   base^(-2i/hs), as gptlab's Rotary does, so no weight is permuted.
-Whatever the converter cannot represent (rope scaling, sliding windows, experts, other activations,
-biases elsewhere) is refused with one error that lists every such field.
+Whatever the converter cannot represent (rope scaling other than 'default', sliding windows, experts,
+other activations, biases elsewhere) is refused with one error that lists every such field.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from gptlab.checkpoint import check_tensors
+from gptlab.checkpoint import check_tensors, gather_tensors
 from gptlab.config import ModelConfig
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -126,16 +126,25 @@ def llama_config(config: ModelConfig, bos_id: int | None, eos_id: int | None) ->
 
 
 def rope_theta(hf: Mapping[str, Any]) -> tuple[float, list[str]]:
-    """RoPE's base, from `rope_theta` (transformers 4) or `rope_parameters` (5), and anything unsupported."""
+    """RoPE's base, from `rope_theta` (transformers 4) or `rope_parameters` (5), and anything unsupported.
+
+    A `rope_scaling` of type "default" is plain RoPE, written out: it is accepted and changes nothing.
+    """
     parameters = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
     problems = []
-    if scaling:
-        problems.append(f"rope_scaling={scaling!r} (gptlab has plain RoPE only: rope_scaling must be null)")
+    if scaling and rope_type(scaling) != "default":
+        problems.append(f"rope_scaling={scaling!r} (rope type {rope_type(scaling)!r}: gptlab has plain RoPE "
+                        "only, so rope_scaling must be null or of type 'default')")
     if parameters.get("rope_type", "default") != "default":
         problems.append(f"rope_parameters.rope_type={parameters['rope_type']!r} (gptlab needs 'default')")
     theta = hf.get("rope_theta", parameters.get("rope_theta", 10000.0))
     return float(theta), problems
+
+
+def rope_type(scaling: Any) -> Any:
+    """The kind of a rope_scaling dict: `rope_type` (newer configs) or `type` (older ones)."""
+    return scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else scaling
 
 
 def model_config_from_llama(hf: Mapping[str, Any]) -> ModelConfig:
@@ -190,34 +199,35 @@ def to_llama_state(model_state: Mapping[str, torch.Tensor], config: ModelConfig,
     return out
 
 
-def from_llama_state(hf_state: Mapping[str, torch.Tensor], config: ModelConfig,
+def from_llama_state(hf_tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,
                      shapes: Mapping[str, torch.Size]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """gptlab tensors (float32) from a Llama or Qwen2 state dict, and the rotary buffers that were skipped.
+    """gptlab tensors (float32) from a Llama's or Qwen2's (name, tensor) pairs, and the rotary buffers that
+    were skipped; `shapes` are the gptlab shapes expected.
 
     Every other source tensor must be used and every target filled with the expected shape; a tied
-    model's file may repeat the embedding as lm_head.weight, which must then equal it.
+    model's file may repeat the embedding as lm_head.weight, which must then equal it. Each target is
+    built as soon as its parts are read (`gather_tensors`), so a sharded checkpoint is read shard by shard.
     """
-    state = dict(hf_state)
-    skipped = sorted(k for k in state if k.endswith(ROTARY_BUFFER))
     names = llama_names(config)
-    wanted = {name for theirs in names.values() for name in theirs}
-    tied_copy = config.tied and HEAD in state
-    missing = sorted(wanted - set(state))
-    unused = sorted(set(state) - wanted - set(skipped) - ({HEAD} if tied_copy else set()))
-    if missing or unused:
-        raise ValueError(f"the weights do not fit config.json: missing {missing}, unused {unused}")
-    out = {}
-    for ours, theirs in names.items():
-        parts = [state[name].float() for name in theirs]
-        sizes = split_sizes(config, theirs)
-        for name, part, rows in zip(theirs, parts, sizes, strict=True):
+
+    def build(ours: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        theirs = names[ours]
+        for name, part, rows in zip(theirs, parts, split_sizes(config, theirs), strict=True):
             if rows != -1 and part.size(0) != rows:
                 raise ValueError(f"{name} has shape {tuple(part.shape)}, not what config.json says")
-        tensor = torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
+        # (rows of q, k and v stacked, or one tensor) as float32; a float32 source is taken, not copied
+        tensor = torch.cat([part.float() for part in parts]) if len(parts) > 1 else parts[0].float()
         if tensor.shape != shapes[ours]:
             raise ValueError(f"{theirs[0]} has shape {tuple(parts[0].shape)}, not what config.json says")
-        out[ours] = tensor
-    if tied_copy and not torch.equal(state[HEAD].float(), out["transformer.wte.weight"]):
+        return tensor
+
+    out, others, missing = gather_tensors(hf_tensors, names, build)
+    skipped = sorted(k for k in others if k.endswith(ROTARY_BUFFER))
+    tied_copy = config.tied and HEAD in others
+    unused = sorted(set(others) - set(skipped) - ({HEAD} if tied_copy else set()))
+    if missing or unused:
+        raise ValueError(f"the weights do not fit config.json: missing {missing}, unused {unused}")
+    if tied_copy and not torch.equal(others[HEAD].float(), out["transformer.wte.weight"]):
         raise ValueError("lm_head.weight differs from model.embed_tokens.weight but config.json says "
                          "tie_word_embeddings=true")
     return out, skipped

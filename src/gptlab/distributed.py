@@ -107,6 +107,18 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     yield
 
 
+def seed_dropout(seed: int, info: Dist, step: int) -> None:
+    """Reseed every rank but 0 for this step's dropout masks, from (seed, rank, step).
+
+    Rank 0 draws from the run's own stream, which checkpoints save, like a single process. The other
+    ranks' streams are not saved, so they restart at every step: a resumed run then draws the masks an
+    unbroken one would, on every rank. (Ranks draw different masks, so a run with dropout is not the
+    one-process run, only one like it.)
+    """
+    if info.rank:
+        torch.manual_seed(seed + (info.rank << 32) + step)  # steps stay below 2**32: no two ranks meet
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Element-wise sum over all processes (the values themselves in a single process)."""
     if not dist.is_initialized():

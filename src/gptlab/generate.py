@@ -21,9 +21,10 @@ The context window (W = block_size) once a generation outgrows it:
 
 Batches of prompts of different lengths are left-padded; padding is masked out and every row's
 positions count from its own first token, so each row gets the tokens it would get alone. Tokens are
-chosen as a `SamplingConfig` says (gptlab.sampling). Generation stops at the tokenizer's end-of-text
-token, at a stop string (which is never shown, not even its start while streaming), or after
-max_new_tokens.
+chosen as a `SamplingConfig` says (gptlab.sampling), never among the ids a padded model vocabulary
+has beyond its tokenizer's. Generation stops at any of the tokenizer's end-of-sequence ids
+(`Tokenizer.stop_ids`), at a stop string (which is never shown, not even its start while streaming),
+or after max_new_tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 from gptlab.cache import KVCache
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.model import GPT
-from gptlab.sampling import next_token, sampler
+from gptlab.sampling import next_token, sampler, within_vocabulary
 from gptlab.tokenizer import Tokenizer
 
 
@@ -134,27 +135,31 @@ class Decoder:
 
 
 def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], sampling: SamplingConfig, *,
-             generator: torch.Generator | None = None, eot_id: int | None = None,
-             use_cache: bool = True) -> Iterator[torch.Tensor]:
+             generator: torch.Generator | None = None, eot_id: int | Sequence[int] | None = None,
+             vocab_size: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt, (B, 1), one step at a time, as soon as it is chosen.
 
     `prompts` is a (B, T) tensor or a list of token lists of any lengths. A row that has produced
-    `eot_id` keeps yielding it; the generation ends when every row has, or after max_new_tokens.
+    `eot_id` (or any of several) keeps yielding that id; the generation ends when every row has, or
+    after max_new_tokens. Ids >= `vocab_size` (a tokenizer's, below a padded model's) are never chosen.
     `generator` (default: one seeded with `sampling.seed`) draws the samples.
     """
     model.eval()
     rows = prompt_rows(prompts, model.config.block_size)
     decoder = Decoder(model, rows, use_cache, sampling.max_new_tokens)
     generator = generator or sampler(sampling, decoder.device)
+    stops = torch.tensor([eot_id] if isinstance(eot_id, int) else list(eot_id or ()), dtype=torch.long,
+                         device=decoder.device)  # (E,)
     finished = torch.zeros(len(decoder.rows), 1, dtype=torch.bool, device=decoder.device)
+    last = torch.zeros_like(finished, dtype=torch.long)  # each row's latest token, (B, 1)
     for _ in range(sampling.max_new_tokens):
-        token = next_token(decoder.logits(), sampling, generator)  # (B, 1)
-        if eot_id is not None:
-            token = token.masked_fill(finished, eot_id)
-            finished |= token == eot_id
+        token = next_token(within_vocabulary(decoder.logits(), vocab_size), sampling, generator)  # (B, 1)
+        if len(stops):
+            last = token = torch.where(finished, last, token)  # an ended row repeats its stop id
+            finished |= torch.isin(token, stops)
         decoder.append(token)
         yield token
-        if eot_id is not None and bool(finished.all()):
+        if len(stops) and bool(finished.all()):
             return
 
 
@@ -180,8 +185,8 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, sampling: Samplin
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens: give a non-empty prompt")
-    tokens = generate(model, [prompt_ids], sampling, generator=generator, eot_id=tokenizer.eot_id,
-                      use_cache=use_cache)
+    tokens = generate(model, [prompt_ids], sampling, generator=generator, eot_id=tokenizer.stop_ids,
+                      vocab_size=tokenizer.vocab_size, use_cache=use_cache)
     return text_chunks(tokens, tokenizer, sampling.stop)
 
 
@@ -193,7 +198,7 @@ def text_chunks(
     text, shown, reason = "", 0, "length"
     for token in tokens:
         ids.append(int(token))
-        if ids[-1] == tokenizer.eot_id:
+        if ids[-1] in tokenizer.stop_ids:
             reason = "eot"
         else:
             text = tokenizer.decode(ids)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, TrainConfig, flag
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -84,22 +84,39 @@ def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     return table
 
 
+# One layer of settings: the option that gives it ("--preset demo", "--lr") and the fields it sets.
+Layer = tuple[str, dict[str, dict[str, Any]]]
+
+
+def config_layers(preset: str | None = None, toml_path: str | Path | None = None,
+                  model_overrides: dict[str, Any] | None = None,
+                  train_overrides: dict[str, Any] | None = None) -> list[Layer]:
+    """The settings `resolve_configs` layers, in order, each named by the option that gives it (one layer
+    per command-line option), so that a resumed run can name the option that would change it."""
+    table = read_toml(toml_path) if toml_path else {}
+    layers: list[Layer] = []
+    if preset is None and table.get("preset") is not None:
+        preset, named = table["preset"], f"--config {toml_path} (preset {table['preset']})"
+    else:
+        named = f"--preset {preset}"
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+        layers.append((named, PRESETS[preset]))
+    if toml_path:
+        tables = {"model": table.get("model", {}), "train": table.get("train", {})}
+        layers.append((f"--config {toml_path}", tables))
+    for section, overrides in (("model", model_overrides), ("train", train_overrides)):
+        layers += [(flag(name), {section: {name: value}}) for name, value in (overrides or {}).items()]
+    return layers
+
+
 def resolve_configs(preset: str | None = None, toml_path: str | Path | None = None,
                     model_overrides: dict[str, Any] | None = None,
                     train_overrides: dict[str, Any] | None = None) -> tuple[ModelConfig, TrainConfig]:
     """Layer defaults, a preset, a TOML file and explicit overrides into validated configs."""
-    table = read_toml(toml_path) if toml_path else {}
-    preset = preset or table.get("preset")
-    layers: list[dict[str, dict[str, Any]]] = []
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-        layers.append(PRESETS[preset])
-    layers.append({"model": table.get("model", {}), "train": table.get("train", {})})
-    layers.append({"model": model_overrides or {}, "train": train_overrides or {}})
-    model: dict[str, Any] = {}
-    train: dict[str, Any] = {}
-    for layer in layers:
-        model.update(layer.get("model", {}))
-        train.update(layer.get("train", {}))
-    return ModelConfig.from_dict(model), TrainConfig.from_dict(train)
+    merged: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+    for _, layer in config_layers(preset, toml_path, model_overrides, train_overrides):
+        for section, values in layer.items():
+            merged[section].update(values)
+    return ModelConfig.from_dict(merged["model"]), TrainConfig.from_dict(merged["train"])

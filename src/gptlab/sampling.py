@@ -3,6 +3,9 @@
 Temperature 0 is greedy; otherwise the draw is from softmax(logits / temperature), restricted to
 the top-k tokens and then to the smallest set of tokens whose probability reaches top-p,
 renormalised. The settings are one `SamplingConfig`, validated when it is built.
+
+A model's vocabulary may be larger than its tokenizer's (an import padded to a round size, as
+Qwen2.5 pads 151,665 ids to 151,936): `within_vocabulary` keeps the extra ids from ever being chosen.
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ def token_probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch
         dropped = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, before >= top_p)
         logits = logits.masked_fill(dropped, float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def within_vocabulary(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """Logits (B, V) with every id >= vocab_size at -inf, so no sample, argmax or top list holds one.
+
+    Returns the logits themselves when nothing is padded (vocab_size None or >= V).
+    """
+    if vocab_size is None or vocab_size >= logits.size(-1):
+        return logits
+    masked = logits.clone()
+    masked[..., vocab_size:] = float("-inf")
+    return masked
 
 
 def next_token(logits: torch.Tensor, sampling: SamplingConfig,

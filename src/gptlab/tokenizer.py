@@ -87,6 +87,10 @@ class Tokenizer(abc.ABC):
         """Every id that ends a generation: the end-of-text id (an import may have several)."""
         return () if self.eot_id is None else (self.eot_id,)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes one token stands for, which may be part of a character (byte-level kinds)."""
+        return self.decode([token]).encode("utf-8", "surrogatepass")  # kinds whose tokens are whole text
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, eot_id={self.eot_id})"
 
@@ -169,6 +173,9 @@ class ByteTokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(self._checked_ids(ids)).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token: int) -> bytes:
+        return bytes(self._checked_ids([token]))
+
 
 class BPETokenizer(Tokenizer):
     """Byte-level BPE (GPT-2's scheme) with merges learnt from the corpus by Hugging Face `tokenizers`."""
@@ -198,6 +205,9 @@ class BPETokenizer(Tokenizer):
     def decode(self, ids: Sequence[int]) -> str:
         return self._hf.decode(self._checked_ids(ids), skip_special_tokens=False)
 
+    def token_bytes(self, token: int) -> bytes:
+        return _hf_token_bytes(self._hf, self._checked_ids([token])[0], byte_level=True)
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "json": self._hf.to_str()}
 
@@ -225,6 +235,9 @@ class ImportedTokenizer(Tokenizer):
         self.vocab_size = self._hf.get_vocab_size(with_added_tokens=True)
         self.eot_id, self.bos_id = eos_id, bos_id  # the model's own ids, as its config gave them
         self.more_eos_ids = tuple(i for i in more_eos_ids if i != eos_id)
+        # Byte-level BPE (GPT-2, SmolLM2, Qwen2) spells bytes as characters; sentencepiece-style models
+        # (Llama, TinyLlama) spell a space as "▁" and a byte they cannot spell as "<0xNN>".
+        self._byte_level = _mentions_byte_level(json.loads(hf_json).get("decoder"))
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
@@ -238,6 +251,9 @@ class ImportedTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._hf.decode(self._checked_ids(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> bytes:
+        return _hf_token_bytes(self._hf, self._checked_ids([token])[0], self._byte_level)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "json": self._hf.to_str(), "eos_id": self.eot_id, "bos_id": self.bos_id,
@@ -259,6 +275,9 @@ class GPT2Tokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._encoding.decode(self._checked_ids(ids), errors="replace")
+
+    def token_bytes(self, token: int) -> bytes:
+        return self._encoding.decode_single_token_bytes(self._checked_ids([token])[0])
 
 
 class SymbolTokenizer(Tokenizer):
@@ -290,6 +309,42 @@ class SymbolTokenizer(Tokenizer):
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "specials": self.specials, "chars": self.chars}
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level spelling, reversed: the character that stands for each byte -> the byte.
+
+    Bytes that print as themselves (! to ~, and Latin-1's printable range but the soft hyphen) keep their
+    character; the other 68 bytes, in order, take the characters from U+0100 on.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    spelled = {chr(b): b for b in printable}
+    spelled.update({chr(0x100 + n): b for n, b in enumerate(others)})
+    return spelled
+
+
+BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte fallback
+
+
+def _mentions_byte_level(decoder: Any) -> bool:
+    """Whether a Hugging Face decoder description (a dict, perhaps a Sequence of them) is byte-level."""
+    if not isinstance(decoder, dict):
+        return False
+    return decoder.get("type") == "ByteLevel" or any(map(_mentions_byte_level, decoder.get("decoders") or []))
+
+
+def _hf_token_bytes(hf: Any, token: int, byte_level: bool) -> bytes:
+    """The bytes of one token of a Hugging Face tokenizer: a special token's text, or its piece unspelled."""
+    added = hf.get_added_tokens_decoder().get(token)
+    piece = hf.id_to_token(token)
+    if added is not None or piece is None:
+        return hf.decode([token], skip_special_tokens=False).encode("utf-8")
+    if byte_level and all(c in BYTE_LEVEL for c in piece):
+        return bytes(BYTE_LEVEL[c] for c in piece)
+    byte = _BYTE_PIECE.fullmatch(piece)
+    return bytes([int(byte[1], 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
 
 
 def _train_bpe_json(text: str, vocab_size: int) -> str:
@@ -468,6 +523,6 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
                 raise DamagedTokenizerError(f"saved hf tokenizer's {name}={value!r} is not an integer")
         more = d.get("more_eos_ids", [])  # absent in runs imported before it was kept
         if not isinstance(more, list) or not all(isinstance(i, int) for i in more):
-            raise DamagedTokenizerError(f"saved hf tokenizer's more_eos_ids={more!r} is not a list of integers")
+            raise DamagedTokenizerError(f"saved hf tokenizer's more_eos_ids={more!r} is not a list of ints")
         return ImportedTokenizer(d["json"], ids["eos_id"], ids["bos_id"], more)
     return ByteTokenizer() if kind == "byte" else GPT2Tokenizer()

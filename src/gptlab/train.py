@@ -4,7 +4,8 @@ AdamW with weight decay on matrices only, linear warm-up then cosine decay, grad
 accumulation, bfloat16 autocast where it is faster. A run folder holds `config.json`,
 `metrics.csv`, `loss.png` and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
 the step and every random state, so N steps in one go and N/2 + resume + N/2 give identical weights.
-Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once.
+Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once. A progress
+bar is drawn only on a terminal; elsewhere (a log file, CI) the one line per evaluation is the progress.
 
 The loop is the same for both architectures: its data source (`TrainingData`) is a prepared text
 folder for the decoder-only model or a built-in task (gptlab.tasks) for the encoder-decoder; a batch
@@ -12,7 +13,8 @@ is the model's inputs followed by its targets, and the source adds its own metri
 
 Under torchrun every process runs this same loop (see distributed.py): each step draws one global
 batch of `batch_size` windows from the shared sampler and each rank trains on its own slice, so the
-run computes what one process with the whole batch would, and only rank 0 logs and writes files.
+run computes what one process with the whole batch would (to rounding, and without dropout: each
+rank draws its own dropout masks), and only rank 0 logs and writes files.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -47,13 +49,14 @@ from gptlab.checkpoint import (
     require_architecture,
     save_checkpoint,
 )
-from gptlab.common import autocast, resolve_precision, seed_everything
-from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
+from gptlab.common import autocast, on_terminal, resolve_precision, seed_everything
+from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig, flag
 from gptlab.data import TokenData, prepare
 from gptlab.files import RunLock, atomic_write_text, remove_stale_temporaries
 from gptlab.inspection.history import head_columns, head_metrics, head_summary
 from gptlab.metrics import MetricsLog, plot_losses
 from gptlab.optim import learning_rate, make_optimizer, set_learning_rate
+from gptlab.presets import Layer
 from gptlab.tasks import TaskData
 from gptlab.tokenizer import Tokenizer
 
@@ -166,7 +169,7 @@ class Trainer:
         self.run_dir, self.data = run_dir, data
         self.config, self.train_config = config, train_config
         self.dist, self.device = dist, device
-        self.progress = progress and dist.is_main
+        self.progress = progress and dist.is_main and on_terminal()  # else the evaluation lines alone
         if train_config.batch_size % dist.world_size:
             raise ValueError(
                 f"batch_size={train_config.batch_size} is not divisible by the {dist.world_size} "
@@ -196,8 +199,6 @@ class Trainer:
         self.last_saved = time.perf_counter()  # when `last` was last written, for `save_every`
         if checkpoint is not None:
             self._restore(checkpoint)
-        if dist.rank:  # other ranks draw their own dropout masks
-            torch.manual_seed(train_config.seed + 7919 * dist.rank + self.step)
         self.forward_model = torch.compile(self.model) if train_config.compile else self.model
         resume_step = self.step if checkpoint else None
         heads = head_columns(config.n_layer, config.n_head) if train_config.track_heads else ()
@@ -239,6 +240,7 @@ class Trainer:
         whether to save now (decided together on every rank, so that collective saves stay in step)."""
         cfg = self.train_config
         set_learning_rate(self.optimizer, self.step, cfg)
+        distributed.seed_dropout(cfg.seed, self.dist, self.step)  # ranks but 0 restart their masks' stream
         # The step's loss is the mean over every scored target of its micro-batches, on all ranks.
         # Padded (seq2seq) batches score different numbers of targets per slice, so each slice's mean
         # is weighted by its share of them; DDP's averaging over ranks is undone by the world size.
@@ -295,8 +297,9 @@ class Trainer:
         )
         shown = ", ".join(f"{name.removeprefix('val_').replace('_', ' ')} {value:.4g}"
                           for name, value in extra.items() if value != "")
-        log.info(f"step {self.step}: train loss {losses['train']:.4f}, "
-                 f"val loss {losses['val']:.4f} ({shown}){head_summary(heads)}")
+        log.info(f"step {self.step}/{self.train_config.max_steps}: train loss {losses['train']:.4f}, "
+                 f"val loss {losses['val']:.4f} ({shown}), {self.tokens_per_s():,.0f} tokens/s, "
+                 f"{self.train_time:.0f} s{head_summary(heads)}")
         if improved:
             save_checkpoint(self.run_dir / BEST, checkpoint)
         save_checkpoint(self.run_dir / LAST, checkpoint)
@@ -378,7 +381,8 @@ def prepare_for_run(source: str | Path, run_dir: Path, tokenizer: str | Tokenize
     if is_main:
         which = f"the {tokenizer}" if isinstance(tokenizer, str) else "the checkpoint's"
         log.info(f"preparing {source} with {which} tokenizer into {run_dir / 'data'}")
-        prepare(str(source), run_dir / "data", tokenizer=tokenizer, vocab_size=vocab_size, progress=progress)
+        prepare(str(source), run_dir / "data", tokenizer=tokenizer, vocab_size=vocab_size,
+                progress=progress and on_terminal())
     distributed.barrier()  # under torchrun the other ranks wait for rank 0's data
     return run_dir / "data"
 
@@ -513,24 +517,58 @@ def check_resumable(checkpoint: Checkpoint, run_dir: Path) -> None:
                          f"these weights with --init-from {checkpoint.source}")
 
 
-def flag(field: str) -> str:
-    """The command-line option of a config field: max_steps -> --max-steps."""
-    return "--" + field.replace("_", "-")
+def refuse_changes(changes: list[str]) -> None:
+    """A resumed run continues as it was saved: refuse, by name, every option that would change it
+    (`changes` names each, with the run's value and the new one where known)."""
+    if changes:
+        free = ", ".join(map(flag, RESUMABLE))
+        raise ValueError(f"--resume continues the run as it was saved: {'; '.join(changes)} would change it "
+                         f"(options equal to the run's values are accepted; only {free} may differ); start a "
+                         "new run, or fine-tune from this one with --init-from")
 
 
-def refuse_changes(flags: list[str]) -> None:
-    """A resumed run continues as it was saved: refuse, by name, every option that would change it."""
-    if flags:
-        raise ValueError(f"--resume continues the run as it was saved: {', '.join(flags)} would change it "
-                         f"(only {', '.join(map(flag, RESUMABLE))} may be given); start a new run, or "
-                         "fine-tune from this one with --init-from")
+def change(option: str, name: str, old: Any, new: Any) -> str:
+    """How `refuse_changes` names one option: `--lr (lr 0.003 -> 0.1)`."""
+    return f"{option} ({name} {old} -> {new})"
+
+
+def resume_changes(checkpoint: Checkpoint, layers: Sequence[Layer]) -> tuple[dict[str, Any], list[str]]:
+    """What options given with --resume (`presets.config_layers`) would do to the saved run: the RESUMABLE
+    training fields that their own options change, and one description per option that would change
+    anything else. Values are compared as the configs hold them, so `--lr 3e-3` equals a saved 0.003."""
+    assert checkpoint.train_config is not None, "check_resumable first"
+    configs = {"model": checkpoint.model_config, "train": checkpoint.train_config}
+    given: dict[tuple[str, str], str] = {}  # (section, field) -> the last option that sets it
+    merged: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
+    for option, layer in layers:
+        for section, values in layer.items():
+            values = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's, never given
+            merged[section].update(values)
+            given.update({(section, name): option for name in values})
+    saved = {section: config.to_dict() for section, config in configs.items()}
+    resolved = {section: type(config).from_dict({**saved[section], **merged[section]}).to_dict()
+                for section, config in configs.items()}
+    changes: dict[str, Any] = {}
+    refused: dict[str, list[str]] = {}
+    for (section, name), option in given.items():
+        old, new = saved[section][name], resolved[section][name]
+        if old == new:
+            continue
+        if section == "train" and name in RESUMABLE and option == flag(name):
+            changes[name] = new
+        else:
+            refused.setdefault(option, []).append(f"{name} {old} -> {new}")
+    return changes, [f"{option} ({', '.join(parts)})" for option, parts in refused.items()]
 
 
 def extended(checkpoint: Checkpoint, changes: dict[str, Any]) -> TrainConfig:
-    """The run's training config with the RESUMABLE `changes`; anything else is refused, by name."""
+    """The run's training config with the RESUMABLE `changes`; a value equal to the run's is no change,
+    and any other difference is refused, by name."""
     assert checkpoint.train_config is not None, "check_resumable first"
-    refuse_changes([flag(name) for name in sorted(set(changes) - set(RESUMABLE))])
     old, step = checkpoint.train_config, checkpoint.state["step"]
+    changes = {name: value for name, value in changes.items() if getattr(old, name) != value}
+    refuse_changes([change(flag(name), name, getattr(old, name), value)
+                    for name, value in sorted(changes.items()) if name not in RESUMABLE])
     max_steps = changes.get("max_steps", old.max_steps)
     if "max_steps" in changes and max_steps <= step:
         raise ValueError(f"the run is at step {step}: --max-steps must be larger than that to extend it")

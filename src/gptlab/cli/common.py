@@ -68,11 +68,17 @@ def print_configs(configs: Mapping[str, Config], hidden: Sequence[str] = ()) -> 
         print(f"{name}:", ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if k not in hidden))
 
 
-def report_run(result: Any, out: Path) -> None:
-    """Where a training run stopped, its best validation loss and speed, and what its folder holds."""
+def report_run(result: Any, out: Path, evaluation: str | None = None) -> None:
+    """Where a training run stopped, its speed, one validation figure and what its folder holds.
+
+    The figure is `evaluation` (the best checkpoint scored by the caller) when given, else the best of
+    the estimates made during training, each the mean loss of the same few sampled validation batches.
+    """
     state = "interrupted at" if result.interrupted else "finished at"
-    print(f"\n{state} step {result.step}: best validation loss {result.best_val_loss:.4f}, "
-          f"{result.tokens_per_s:,.0f} tokens/s, {result.elapsed_s:.0f} s of training")
+    print(f"\n{state} step {result.step}: {result.tokens_per_s:,.0f} tokens/s, "
+          f"{result.elapsed_s:.0f} s of training")
+    print(evaluation or f"best validation loss {result.best_val_loss:.4f} (estimated during training on "
+          "sampled batches of the val split)")
     print(f"run folder: {out} (best.safetensors, last.safetensors, metrics.csv, loss.png)")
 
 

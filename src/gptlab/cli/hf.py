@@ -40,7 +40,8 @@ def add_hf_commands(sub: Any) -> None:
         description="Write a run's best checkpoint as OUT_DIR/config.json and model.safetensors, which "
         "transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR) loads, plus tokenizer files for "
         "AutoTokenizer when the run used the bpe, gpt2 or an imported tokenizer. GPT-2-shaped models "
-        "(learned positions, layernorm, gelu, pre-norm, tied head, biases) export as GPT2LMHeadModel; "
+        "(learned positions, layernorm, gelu or gelu_exact, pre-norm, tied head; biases a model leaves out "
+        "are written as zeros) export as GPT2LMHeadModel; "
         "Llama-shaped ones (rope, rmsnorm, swiglu, pre-norm, no biases, any n_kv_head, tied or not) as "
         "LlamaForCausalLM, or Qwen2ForCausalLM with --qkv-bias.",
     )
@@ -50,11 +51,13 @@ def add_hf_commands(sub: Any) -> None:
 
     im = sub.add_parser(
         "import-hf", help="read a local Hugging Face GPT-2, Llama or Qwen2 folder into a run folder",
-        description="Read HF_DIR (config.json with model.safetensors or pytorch_model.bin, and "
-        "tokenizer.json, or for GPT-2 vocab.json + merges.txt) into a gptlab run folder that sample, eval "
-        "and the other commands accept. model_type gpt2, llama (SmolLM2, TinyLlama) and qwen2 (Qwen2.5) "
-        "are read; rope scaling, sliding windows and experts are refused with every such field named. "
-        "Nothing is downloaded.",
+        description="Read HF_DIR (config.json with model.safetensors, or its shards and "
+        "model.safetensors.index.json, or pytorch_model.bin, and tokenizer.json, or for GPT-2 vocab.json + "
+        "merges.txt) into a gptlab run folder that sample, eval and the other commands accept. model_type "
+        "gpt2, llama (SmolLM2, TinyLlama) and qwen2 (Qwen2.5) are read; rope scaling other than 'default', "
+        "sliding windows and experts are refused with every such field named. Every end-of-sequence id is "
+        "kept, and generation_config.json's temperature, top_p, top_k and max_new_tokens become the run's "
+        "sampling defaults. Shards are read one at a time. Nothing is downloaded.",
     )
     im.add_argument("hf_dir", help="folder written by save_pretrained")
     im.add_argument("out_dir", help="new or empty run folder to write")

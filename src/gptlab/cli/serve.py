@@ -12,7 +12,7 @@ from gptlab.cli.common import add_device_option, add_weight_options
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    """Load the run, bind the address, print it and serve until Ctrl-C (or SIGTERM)."""
+    """Load the run, size the batch to the memory, bind the address, print it and serve until Ctrl-C."""
     try:
         import uvicorn
 
@@ -20,26 +20,49 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ValueError(f"gptlab serve needs the serve extra ({err.name} is missing): "
                          "pip install -e '.[serve]'") from None
-    from gptlab.checkpoint import load_run
+    from gptlab.checkpoint import generation_defaults, load_run
     from gptlab.common import resolve_device
     from gptlab.quantize import inference_weights
+    from gptlab.serve.guard import default_allowed_hosts, parse_allowed_hosts, read_api_key
+    from gptlab.serve.schemas import SAMPLING_DEFAULTS, Limits
+    from gptlab.serve.sizing import available_memory, plan_memory, weights_bytes
 
-    if min(args.max_batch, args.max_tokens, args.threads) < 1:
+    if args.api_key is not None:
+        raise ValueError("--api-key would show the key to every user of this machine (in `ps`): put it in "
+                         "the GPTLAB_API_KEY environment variable or in a file given with --api-key-file")
+    if min(args.max_batch or 1, args.max_tokens, args.threads) < 1:
         raise ValueError("--max-batch, --max-tokens and --threads must be at least 1")
+    api_key = read_api_key(args.api_key_file, os.environ)
+    allowed = (parse_allowed_hosts(args.allowed_hosts) if args.allowed_hosts is not None
+               else default_allowed_hosts(args.host))
+    limits = Limits(max_tokens=args.max_tokens, max_stops=args.max_stops, max_stop_chars=args.max_stop_chars,
+                    max_context=args.max_context, max_waiting=args.max_waiting,
+                    request_timeout=args.request_timeout, prefill_chunk=args.prefill_chunk)
     import torch
 
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    device = resolve_device(args.device)
+    free = available_memory(device)  # before the weights take their share
+    model, tokenizer = load_run(args.run, device)
     model = inference_weights(model, args.dtype, args.quantize)
+    plan = plan_memory(model.config, next(model.parameters()).dtype, weights_bytes(model), free,
+                       args.max_batch, args.max_context)
     name = Path(args.run).resolve().name
-    app = create_app(model, tokenizer, name, api_key=args.api_key, max_batch=args.max_batch,
-                     max_tokens=args.max_tokens)
+    # An imported model's generation_config.json fills what a request leaves out (max_tokens stays OpenAI's).
+    defaults = {k: v for k, v in generation_defaults(args.run).items() if k in SAMPLING_DEFAULTS}
+    app = create_app(model, tokenizer, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
+                     allowed_hosts=allowed, defaults=defaults)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.create_server((args.host, args.port), family=family)  # bound now: --port 0 picks one
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
+    hosts = ("any Host name (--allowed-hosts to restrict)" if allowed is None
+             else "Host " + ", ".join(sorted(allowed)))
     print(f"serving {args.run} as model {name!r} at http://{shown}:{port} (playground at /, OpenAI API "
-          f"at /v1{', API key required' if args.api_key else ''}); Ctrl-C stops", flush=True)
+          f"at /v1{', API key required' if api_key else ''}; answering {hosts}); Ctrl-C stops", flush=True)
+    if plan.chosen:
+        print(f"--max-batch {plan.max_batch}: the most rows of {plan.max_context} tokens that fit in the "
+              f"free memory ({plan.cache_bytes / 1e9:.2f} GB of KV cache at most)", flush=True)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)
     uvicorn.Server(config).run(sockets=[sock])
     print("stopped", flush=True)
@@ -54,17 +77,37 @@ def add_serve_command(sub: Any) -> None:
         "completions API (GET /v1/models, POST /v1/completions, streaming included) and a playground "
         "page at /. Concurrent requests are decoded together in one batch that requests join at "
         "any step. Needs the serve extra: pip install -e '.[serve]'.",
-        epilog="example: gptlab serve runs/demo --port 8000",
+        epilog="example: gptlab serve runs/demo --port 8000; with a key: GPTLAB_API_KEY=... gptlab serve "
+        "runs/demo, or --api-key-file key.txt",
     )
     serve.add_argument("run", help="a run folder or checkpoint file")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this "
                        "machine only; 0.0.0.0 serves every network the machine is on)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    serve.add_argument("--api-key", metavar="KEY", help="require `Authorization: Bearer KEY` on the API")
-    serve.add_argument("--max-batch", type=int, default=64, help="rows decoded together at most; later "
-                       "requests wait for a free row (default 64)")
+    serve.add_argument("--allowed-hosts", metavar="A,B", help="the Host names requests may be addressed to, "
+                       "against DNS rebinding (default: localhost, 127.0.0.1 and [::1] on a loopback "
+                       "address, any name on 0.0.0.0 or ::; * for any)")
+    serve.add_argument("--api-key-file", metavar="PATH", help="require `Authorization: Bearer KEY` on the "
+                       "API, KEY being this file's first line (default: $GPTLAB_API_KEY if set, else no key)")
+    serve.add_argument("--api-key", help=argparse.SUPPRESS)  # refused with a pointer to the safe ways
+    serve.add_argument("--max-batch", type=int, default=None, help="rows decoded together at most; later "
+                       "requests wait for a free row (default 64, or fewer when 64 do not fit in memory)")
+    serve.add_argument("--max-context", type=int, default=None, help="tokens of prompt and completion one "
+                       "row may hold, which sizes the KV cache (default: the model's context window, past "
+                       "which a completion slides on)")
     serve.add_argument("--max-tokens", type=int, default=1024,
                        help="the largest max_tokens a request may ask for (default 1024)")
+    serve.add_argument("--max-waiting", type=int, default=256, help="rows waiting for a free row at most; a "
+                       "request beyond is refused with 429 and Retry-After (default 256)")
+    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take from "
+                       "its arrival: a running one ends with finish_reason length, a queued one gets a 503 "
+                       "(default 600)")
+    serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step, so "
+                       "a long prompt does not stall the other streams (default 256)")
+    serve.add_argument("--max-stops", type=int, default=4, help="stop strings per request (default 4, as "
+                       "OpenAI)")
+    serve.add_argument("--max-stop-chars", type=int, default=64,
+                       help="characters per stop string (default 64)")
     serve.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                        help="CPU threads of the decode thread's tensor operations (default: all cores "
                        "but one, which is left to the HTTP event loop)")

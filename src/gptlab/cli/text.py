@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,11 +60,12 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Tokenize a corpus or text into train.bin / val.bin beside its tokenizer."""
+    from gptlab.common import on_terminal
     from gptlab.data import prepare
 
     meta = prepare(args.source, args.out, tokenizer=args.tokenizer or "char",
                    vocab_size=args.tokenizer_vocab_size, val_fraction=args.val_fraction,
-                   progress=not args.no_progress, split=args.split)
+                   progress=not args.no_progress and on_terminal(), split=args.split)
     tokens = meta["tokens"]
     print(f"wrote {args.out}: {tokens['train']:,} train and {tokens['val']:,} validation tokens, "
           f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids")
@@ -83,9 +85,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     is_main = distributed.this_process().is_main
     if args.resume:
-        refuse_on_resume(args)
+        changes, data = resume_options(args, out)
         result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder",
-                        changes=config_overrides(args, TrainConfig), data=args.data)
+                        changes=changes, data=data)
     else:
         model_overrides = config_overrides(args, ModelConfig)
         if args.init_from and model_overrides:
@@ -99,27 +101,69 @@ def cmd_train(args: argparse.Namespace) -> int:
         result = train(out, args.data or "shakespeare", model_config, train_config,
                        tokenizer=args.tokenizer or "char", vocab_size=args.tokenizer_vocab_size,
                        stop_at=args.stop_at, progress=not args.no_progress, init_from=args.init_from)
-    if is_main:
-        report_run(result, out)
-    if not is_main or result.interrupted:
+    if not is_main:
         return result.exit_status
-    print(f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
+    # One validation number: a finished run's best checkpoint scored on its val split in order (more
+    # tokens than the sampled batches that chose it); an interrupted run reports that estimate.
+    evaluation = None if result.interrupted else evaluation_line(out, "val", max_tokens=EVAL_TOKENS)
+    report_run(result, out, f"best checkpoint on the {evaluation}" if evaluation else None)
+    if result.interrupted:
+        return result.exit_status
     if args.samples:
         print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu")
     return 0
 
 
-def refuse_on_resume(args: argparse.Namespace) -> None:
-    """--resume continues a run as it was saved: name every given option that would change it."""
-    from gptlab.train import flag, refuse_changes
+def resume_options(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], str | None]:
+    """What `train --resume` is asked beyond continuing: the training fields to change, and the prepared
+    folder of a moved run. Options whose values equal the run's are accepted (repeating the command
+    that started the run continues it); every other one is refused, by name, with both values."""
+    from gptlab.checkpoint import LAST, architecture, load_header, require_architecture
+    from gptlab.presets import config_layers
+    from gptlab.train import refuse_changes, resume_changes
 
-    given = [flag(name) for name in config_overrides(args, ModelConfig)]
-    given += [option for option, value in (("--preset", args.preset), ("--config", args.config),
-                                          ("--init-from", args.init_from), ("--tokenizer", args.tokenizer),
-                                          ("--vocab-size", args.tokenizer_vocab_size)) if value is not None]
-    if args.data is not None and not (Path(args.data) / "meta.json").is_file():
-        given.append("--data (other than the run's own prepared folder, moved)")
-    refuse_changes(given)
+    header = load_header(out, prefer=LAST)
+    require_architecture(architecture(header.model_config), out, "decoder")
+    prepared = args.data is not None and (Path(args.data) / "meta.json").is_file()
+    if header.train_config is None:  # nothing to resume: `resume` says so
+        return config_overrides(args, TrainConfig), args.data if prepared else None
+    layers = config_layers(args.preset, args.config, config_overrides(args, ModelConfig),
+                           config_overrides(args, TrainConfig))
+    changes, refused = resume_changes(header, layers)
+    refuse_changes(refused + source_changes(args, header, out, prepared))
+    return changes, args.data if prepared else None
+
+
+def source_changes(args: argparse.Namespace, header: Any, out: Path, prepared: bool) -> list[str]:
+    """The options naming where the run's model, tokenizer and text come from (--init-from, --tokenizer,
+    --vocab-size, --data as text) that name something other than what the run was made from."""
+    from gptlab.checkpoint import data_folder, load_header
+    from gptlab.data import CORPORA
+    from gptlab.train import change
+
+    refused = []
+    if args.init_from is not None:
+        start = load_header(args.init_from)  # its vocabulary is its tokenizer's, compared below
+        shape = {**start.model_config.to_dict(), "vocab_size": header.model_config.vocab_size}
+        if shape != header.model_config.to_dict() or start.tokenizer != header.tokenizer:
+            refused.append(f"--init-from {args.init_from} (another model or tokenizer than the run's)")
+    kind = header.tokenizer.get("kind")
+    if args.tokenizer is not None and args.tokenizer != kind:
+        refused.append(change("--tokenizer", "tokenizer", kind, args.tokenizer))
+    if args.tokenizer_vocab_size not in (None, header.model_config.vocab_size):
+        refused.append(change("--vocab-size", "vocab_size", header.model_config.vocab_size,
+                              args.tokenizer_vocab_size))
+    if args.data is None or prepared:
+        return refused  # a prepared folder is checked by `resume`: it must hold the run's tokenizer
+    meta = json.loads((data_folder(out, header.state) / "meta.json").read_text(encoding="utf-8"))
+    source = meta.get("source")
+    same = args.data == source or (args.data not in CORPORA and source not in CORPORA
+                                  and Path(args.data).resolve() == Path(str(source)).resolve())
+    if not same:
+        refused.append(change("--data", "text", source, args.data))
+    elif args.tokenizer is None and args.init_from is None and kind != "char":  # a new run would use char
+        refused.append(f"--data {args.data} without --tokenizer (char, but the run's tokenizer is {kind})")
+    return refused
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -209,9 +253,16 @@ def print_samples(run: str | Path, prompt: str, num_samples: int, sampling: Samp
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    """Print continuations of a prompt (or of a file's text) from a trained checkpoint."""
+    """Print continuations of a prompt (or of a file's text) from a trained checkpoint.
+
+    Options not given take the run's own defaults (an imported model's generation_config.json), then
+    `gptlab sample`'s.
+    """
+    from gptlab.checkpoint import generation_defaults
+
     prompt = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(encoding="utf-8")
-    sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **config_overrides(args, SamplingConfig)})
+    sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **generation_defaults(args.run),
+                                         **config_overrides(args, SamplingConfig)})
     print_samples(args.run, prompt, args.num_samples, sampling, device=args.device, use_cache=args.use_cache,
                   as_json=args.json, dtype=args.dtype, quantization=args.quantize)
     return 0
@@ -293,7 +344,9 @@ def add_data_commands(sub: Any) -> None:
 
     sa = sub.add_parser("sample", help="generate text from a checkpoint",
                         description="Continue a prompt with a trained model, streaming the text. Generation "
-                        "stops at the end-of-text token, a --stop string (not printed) or --max-new-tokens.",
+                        "stops at the end-of-text token, a --stop string (not printed) or --max-new-tokens. "
+                        "An imported model's generation_config.json settings (temperature, top-p, top-k, "
+                        "max new tokens) are the defaults of the options not given.",
                         epilog="example: gptlab sample runs/demo --prompt ROMEO: --top-p 0.9 "
                         "--stop $'\\n\\n'")
     sa.add_argument("run", help="run folder or checkpoint file")

@@ -13,7 +13,8 @@ taken from the clean run, and measure how much of the gap it closes:
 - each head's output (`h.N.attn.heads`, per query head, so grouped models too) at every position.
 
 Each patch is one forward pass of the corrupted prompt, so patching the whole stream at any stage
-reproduces the clean run's logits exactly and restores exactly 1.0.
+reproduces the clean run's logits and restores 1.0, to rounding (a kernel may sum one row in an order
+that depends on the others, so a patched run need not repeat the clean one's arithmetic bit for bit).
 
 Shape legend: S stages (L + 1), T positions, L layers, H heads.
 """

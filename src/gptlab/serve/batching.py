@@ -1,30 +1,39 @@
 """Continuous batching: one decode thread, a batch of rows that requests join and leave at any step.
 
 `generate` decodes a fixed batch: every row starts together and the batch lasts as long as its
-longest row. A server cannot wait for a batch to fill or to drain, so here each row of the batch has
-its own cache slot in a `SlotCache` (one ring of block_size positions per row, with its own count):
-- a new row is prefilled alone into a one-row `KVCache`, exactly as `generate` prefills a prompt, and
-  copied into a free slot; it samples its first token with the others at the next step;
-- every step samples one token per row (each row with its own `torch.Generator`, seeded by its
+longest row. A server cannot wait for a batch to fill or to drain, so here each row of one `KVCache`
+keeps its own count of tokens and its own positions, and each iteration of the decode thread
+- ends rows past their deadline and drops waiting rows whose client left or whose deadline passed;
+- admits waiting rows into free rows of the cache (`admitted` counts them);
+- samples one token per row that has logits (each row with its own `torch.Generator`, seeded by its
   request, through `sampling.next_token` on its own (1, V) logits, so it draws what `generate` draws
-  for that prompt alone), then runs the newest token of every row in one batched forward pass;
-- a row that ends (end-of-text, a stop string, max_tokens) or whose client went away leaves at once:
-  the last row moves into its slot, so the active rows are always the first ones of the cache.
+  for that prompt alone) and ends rows at a stop id, a stop string or max_tokens;
+- prefills at most `prefill_chunk` prompt tokens (chunked prefill: a 4k-token prompt takes several
+  iterations, and the other rows decode a token in each of them instead of waiting for it);
+- runs the newest token of every row in one batched forward pass. A row joins that step once all of
+  its prompt but the last token is in the cache; a row still prefilling runs a stand-in token there
+  that the cache forgets again (`KVCache.rewind`), so the rows in use are always the first ones and
+  need no reordering. A row that leaves gets the last row moved into its place.
 - learned positions restart a row's window as `generate` does (`window_start`): the row's kept
-  tokens but the newest are prefilled alone again, and the newest runs with the batch.
+  tokens are prefilled again, in chunks like a prompt.
+
+Memory follows need: a row needs min(block_size, max_context, prompt + max_tokens) slots, and the
+cache is resized (rows to a power of two, slots to a multiple of SLOT_STEP) when a row joins that it
+cannot hold, shrunk when it is four times what the rows need, and freed when the server is idle.
 
 A batched step computes the same logits as a one-row step up to float rounding (~1e-6: other kernel
-paths, a mask instead of none), so a row's tokens equal `generate`'s alone unless two candidates
-are that close; the tests compare greedy and seeded samples with `generate` alone.
+paths, a mask instead of none, a prompt run in chunks), so a row's tokens equal `generate`'s alone
+unless two candidates are that close; the tests compare greedy and seeded samples with `generate`.
+Ids a padded model vocabulary has beyond the tokenizer's are never sampled nor listed.
 
 Text is cut exactly as `stream_text` cuts it: each row's tokens go through `generate.text_chunks`.
-
-Shape legend: L layers, B rows (slots), Hkv key/value heads, S slots per row (block_size), hs head size.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -33,82 +42,22 @@ from typing import Any
 
 import torch
 
-from gptlab.cache import EMPTY, KVCache
-from gptlab.config import ModelConfig, SamplingConfig
+from gptlab.cache import KVCache
+from gptlab.config import SamplingConfig
 from gptlab.generate import Chunk, text_chunks, window_start
 from gptlab.model import GPT
-from gptlab.sampling import next_token
+from gptlab.sampling import next_token, within_vocabulary
 from gptlab.tokenizer import Tokenizer
 
+SLOT_STEP = 64  # the cache's slots per row grow in steps of this many
 
-class SlotCache:
-    """The keys and values of up to `slots` independent rows, each a ring of block_size slots.
 
-    It implements the part of `KVCache` that `GPT.forward` uses (`advance`, `positions`, `update`,
-    `mask`) for steps of one new token per row over the first `active` rows. Each row keeps its own
-    count of tokens and its own next position, so rows that joined at different steps never need
-    padding; a row's queries see its keys at positions p - block_size < j <= p, as in `KVCache`.
-    """
+class QueueFull(Exception):
+    """`Scheduler.submit` refused rows: the waiting queue is full. Try again in `retry_after` seconds."""
 
-    def __init__(self, config: ModelConfig, slots: int, device: torch.device, dtype: torch.dtype) -> None:
-        self.window = config.block_size
-        shape = (config.n_layer, slots, config.kv_heads, self.window, config.head_size)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hs)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)  # (L, B, Hkv, S, hs)
-        self.slot_positions = torch.full((slots, self.window), EMPTY, device=device)  # (B, S)
-        self.fed = [0] * slots  # tokens held by each row since it was loaded
-        self.next_position = [0] * slots
-        self.active = 0  # rows 0 .. active - 1 take part in a step
-        self.positions = torch.zeros(0, 1, dtype=torch.long, device=device)  # of the new tokens, (B, 1)
-        self.mask: torch.Tensor | None = None  # (B, 1, 1, S)
-        self._write = self.positions[:, 0]  # the slot each row's new key goes to, (B,)
-        self._used = 0  # slots of the longest row
-
-    def load(self, row: int, cache: KVCache) -> None:
-        """Make `row` hold what a one-row KVCache holds after one prefill (which never wraps)."""
-        n = cache.fed
-        self.keys[:, row, :, :n] = cache.keys[:, 0, :, :n]
-        self.values[:, row, :, :n] = cache.values[:, 0, :, :n]
-        self.slot_positions[row].fill_(EMPTY)
-        self.slot_positions[row, :n] = cache.slot_positions[0, :n]
-        self.fed[row] = n
-        self.next_position[row] = int(cache.positions[0, -1]) + 1 if n else 0
-
-    def move(self, source: int, target: int) -> None:
-        """Copy row `source` into row `target` (the last active row fills a freed slot)."""
-        self.keys[:, target] = self.keys[:, source]
-        self.values[:, target] = self.values[:, source]
-        self.slot_positions[target] = self.slot_positions[source]
-        self.fed[target], self.next_position[target] = self.fed[source], self.next_position[source]
-
-    def advance(self, n_new: int) -> torch.Tensor:
-        """Take one new token per active row: their positions (B, 1) and their mask in `self.mask`."""
-        assert n_new == 1, "a SlotCache step takes one token per row; prefill rows with a KVCache"
-        rows, device = self.active, self.slot_positions.device
-        fed = self.fed[:rows]
-        self._write = torch.tensor([f % self.window for f in fed], device=device)  # (B,)
-        self.positions = torch.tensor(self.next_position[:rows], device=device)[:, None]  # (B, 1)
-        self.slot_positions[torch.arange(rows, device=device), self._write] = self.positions[:, 0]
-        for row in range(rows):
-            self.fed[row] += 1
-            self.next_position[row] += 1
-        self._used = min(max(fed) + 1, self.window)
-        keys_at = self.slot_positions[:rows, None, :self._used]  # (B, 1, S)
-        queries_at = self.positions[:, :, None]  # (B, 1, 1)
-        visible = (keys_at <= queries_at) & (keys_at > queries_at - self.window)  # (B, 1, S)
-        self.mask = visible.unsqueeze(1)  # (B, 1, 1, S): the same for every head
-        return self.positions
-
-    def update(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store one layer's new keys and values (B, Hkv, 1, hs); return the held ones (B, Hkv, S, hs)."""
-        rows = self.active
-        held_keys, held_values = self.keys[layer, :rows], self.values[layer, :rows]  # (B, Hkv, S, hs)
-        index = torch.arange(rows, device=keys.device)
-        held_keys[index, :, self._write] = keys[:, :, 0]  # (B, Hkv, hs) into each row's own slot
-        held_values[index, :, self._write] = values[:, :, 0]
-        return held_keys[:, :, :self._used], held_values[:, :, :self._used]
+    def __init__(self, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True)
@@ -117,7 +66,8 @@ class Event:
 
     `top` holds the `logprobs` most likely tokens and their log-probabilities under the model's raw
     distribution (softmax of the logits, before temperature, top-k and top-p), as OpenAI reports them.
-    The last event of a choice has `finish_reason` ("eot", "stop", "length") or `error` set.
+    The last event of a choice has `finish_reason` ("eot", "stop", "length", "deadline") or `error`
+    set; `status` is the HTTP status that error deserves.
     """
 
     index: int
@@ -128,6 +78,7 @@ class Event:
     finish_reason: str | None = None
     completion_tokens: int = 0
     error: str | None = None
+    status: int = 503
 
 
 class Feed:
@@ -147,7 +98,11 @@ class Feed:
 
 @dataclass(eq=False)
 class Row:
-    """One choice being decoded: its window of token ids, its sampler and where its events go."""
+    """One choice being decoded: its window of token ids, its sampler and where its events go.
+
+    `deadline` is a `time.monotonic()` instant: a row still waiting then never starts (an error
+    event, status 503), a running one ends with finish_reason "deadline", keeping its tokens.
+    """
 
     index: int
     ids: list[int]
@@ -156,12 +111,16 @@ class Row:
     logprobs: int | None
     emit: Callable[[Event], None]
     ticket: Ticket
+    deadline: float | None = None
     start: int = 0  # the first token of the window (moved only by learned positions)
     generated: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # (1, V) for the next token
+    pending: list[int] = field(default_factory=list)  # tokens not yet in the cache
+    logits: torch.Tensor | None = None  # (1, V) for the next token, once every token is in
     feed: Feed = field(default_factory=Feed)
     chunks: Iterator[Chunk] | None = None
-    slot: int = -1
+    slot: int = -1  # its row of the cache
+    need: int = 0  # the cache slots it can ever use
+    order: int = 0  # admission order: prompts are prefilled oldest first
 
 
 class Ticket:
@@ -175,25 +134,37 @@ class Ticket:
 
 
 class Scheduler:
-    """The decode thread: owns the model and a SlotCache of `max_batch` rows; requests join at any step.
+    """The decode thread: owns the model and one KVCache sized to its rows; requests join at any step.
 
-    `submit` queues rows and returns at once; events arrive through each row's `emit` callback, called
-    on the decode thread. `call` runs a function on the decode thread between steps (work that must
-    not overlap decoding, such as recording attention with hooks on the same model).
+    `submit` queues rows and returns at once (or raises QueueFull); events arrive through each row's
+    `emit` callback, called on the decode thread. `call` runs a function on the decode thread between
+    steps (work that must not overlap decoding, such as recording attention with hooks on the model).
+    `max_context` (default and at most block_size) caps a row's tokens, prompt and generated: below
+    block_size a row ends ("length") when it holds that many; at block_size it slides as generate does.
     """
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 64) -> None:
+    def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 64, *,
+                 max_context: int | None = None, max_waiting: int = 256, prefill_chunk: int = 256) -> None:
+        for name, value in (("max_batch", max_batch), ("max_context", max_context or 1),
+                            ("prefill_chunk", prefill_chunk)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be at least 1")
+        if max_waiting < 0:
+            raise ValueError(f"max_waiting={max_waiting} must be at least 0")
         self.model, self.tokenizer, self.config = model.eval(), tokenizer, model.config
         weight = next(model.parameters())
         self.device, self.dtype = weight.device, weight.dtype
-        self.max_batch = max_batch
-        self.cache = SlotCache(self.config, max_batch, self.device, self.dtype)
-        self.prefill_cache = KVCache(self.config, 1, self.config.block_size, self.device, self.dtype)
+        self.max_batch, self.max_waiting, self.prefill_chunk = max_batch, max_waiting, prefill_chunk
+        self.max_context = min(max_context or self.config.block_size, self.config.block_size)
+        self.cache = KVCache(self.config, 0, self._slots(0), self.device, self.dtype)  # grows with the rows
         self.rows: list[Row] = []  # the active rows, row i in slot i
         self.waiting: deque[Row] = deque()
         self.calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self.admitted = 0  # rows that got a slot
         self.steps = 0  # batched steps run, for tests and benchmarks
         self.largest_batch = 0
+        self.step_seconds = 0.05  # a running average of one iteration's time, for QueueFull's estimate
+        self._order = itertools.count()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gptlab-decode", daemon=True)
@@ -202,7 +173,7 @@ class Scheduler:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the thread after the current step; rows still running get an error event."""
+        """Stop the thread after the current step; rows still running or waiting get an error event."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
@@ -211,8 +182,12 @@ class Scheduler:
             row.emit(Event(row.index, "", error="the server is shutting down"))
 
     def submit(self, rows: list[Row]) -> None:
-        """Queue rows; they join the batch at the next step with free slots."""
+        """Queue rows; they join the batch at the next step with free slots. All or none: QueueFull
+        when the queue would hold more than max_waiting rows."""
         with self._wake:
+            if len(self.waiting) + len(rows) > self.max_waiting:
+                raise QueueFull(f"the server's queue is full ({len(self.waiting)} of {self.max_waiting} "
+                                "rows waiting): try again later", self._retry_after())
             self.waiting.extend(rows)
             self._wake.notify()
 
@@ -229,6 +204,13 @@ class Scheduler:
         """How many rows hold a slot now."""
         return len(self.rows)
 
+    def _retry_after(self) -> float:
+        """Seconds until a slot is likely free: the running row nearest its max_tokens, at today's pace,
+        times the batches of waiting rows ahead."""
+        left = min((r.sampling.max_new_tokens - len(r.generated) for r in self.rows), default=1)
+        rounds = 1 + len(self.waiting) // self.max_batch
+        return max(1.0, round(left * self.step_seconds * rounds, 1))
+
     def _run(self) -> None:
         with torch.inference_mode():  # as generate's Decoder: logits never enter autograd
             while True:
@@ -244,36 +226,55 @@ class Scheduler:
                             future.set_result(func())
                         except Exception as err:  # the caller reports it; the thread lives on
                             future.set_exception(err)
+                began = time.monotonic()
                 try:
-                    self._iteration()
+                    self.iterate()
                 except Exception as err:  # a fault fails the rows in flight, never the server
                     for row in self.rows:
                         row.emit(Event(row.index, "", error=f"decoding failed: {err!r}"))
                     self.rows = []
+                    self.cache = KVCache(self.config, 0, self._slots(0), self.device, self.dtype)
+                self.step_seconds = 0.9 * self.step_seconds + 0.1 * (time.monotonic() - began)
 
-    def _iteration(self) -> None:
-        """Admit waiting rows, sample one token per row, drop finished rows, run the batched step."""
+    @torch.inference_mode()
+    def iterate(self) -> None:
+        """One iteration of the decode thread (see the module docstring); tests call it directly."""
+        now = time.monotonic()
+        self._drop_waiting(now)
         self._admit()
-        done = [row for row in self.rows if row.ticket.cancelled.is_set() or self._sample(row)]
-        for row in done:
-            self._remove(row)
-        if not self.rows:
-            return
+        for row in list(self.rows):
+            if row.ticket.cancelled.is_set():
+                self._remove(row)
+            elif row.deadline is not None and now >= row.deadline:
+                self._finish(row, next(row.chunks), "deadline")
+                self._remove(row)
+            elif row.logits is not None and self._sample(row):
+                self._remove(row)
         for row in self.rows:
             start = window_start(self.config, row.start, len(row.ids))
             if start != row.start:  # learned positions: the window restarts (generate.window_start)
-                row.start = start
-                self._prefill(row.slot, row.ids[start:-1])
-        self.cache.active = len(self.rows)
-        newest = torch.tensor([[row.ids[-1]] for row in self.rows], device=self.device)  # (B, 1)
-        logits = self.model(newest, cache=self.cache, last_only=True)[0][:, -1]  # (B, V)
-        for row in self.rows:
-            row.logits = logits[row.slot:row.slot + 1]
-        self.steps += 1
-        self.largest_batch = max(self.largest_batch, len(self.rows))
+                row.start, row.pending, row.logits = start, row.ids[start:], None
+                self.cache.clear(row.slot)
+        self._fit()
+        if self.rows:
+            self._prefill()
+            self._decode()
+
+    def _drop_waiting(self, now: float) -> None:
+        """Forget waiting rows whose client left; fail those whose deadline passed (they never start)."""
+        with self._wake:
+            waiting, self.waiting = self.waiting, deque()
+            for row in waiting:
+                if row.ticket.cancelled.is_set():
+                    continue
+                if row.deadline is not None and now >= row.deadline:
+                    row.emit(Event(row.index, "", error="the request's deadline passed while it waited for "
+                                   "a free slot: try again later", status=503))
+                    continue
+                self.waiting.append(row)
 
     def _admit(self) -> None:
-        """Move waiting rows into free slots, prefilling each alone as `generate` prefills a prompt."""
+        """Move waiting rows into free rows of the cache; their prompts are prefilled by `_prefill`."""
         while len(self.rows) < self.max_batch:
             with self._wake:
                 if not self.waiting:
@@ -285,20 +286,65 @@ class Scheduler:
             if row.sampling.max_new_tokens == 0:
                 self._finish(row, next(row.chunks))
                 continue
+            row.ids = row.ids[-self.max_context:]
+            row.pending, row.logits, row.order = list(row.ids), None, next(self._order)
+            row.need = min(self.max_context, len(row.ids) + row.sampling.max_new_tokens)
             row.slot = len(self.rows)
             self.rows.append(row)
-            row.logits = self._prefill(row.slot, row.ids)
+            self.admitted += 1
+            self._fit()
+            self.cache.clear(row.slot)
 
-    def _prefill(self, slot: int, ids: list[int]) -> torch.Tensor | None:
-        """Run `ids` alone into a one-row KVCache, copy it into `slot`; the logits after the last id."""
-        cache = self.prefill_cache
-        cache.reset(torch.zeros(1, dtype=torch.long, device=self.device))
-        logits = None
-        if ids:  # empty only when a learned window of one token restarts: the newest runs with the batch
-            idx = torch.tensor([ids], device=self.device)  # (1, T)
-            logits = self.model(idx, cache=cache, last_only=True)[0][:, -1]  # (1, V)
-        self.cache.load(slot, cache)
-        return logits
+    def _fit(self) -> None:
+        """Size the cache to the rows: grow to hold them, shrink when it is four times what they need,
+        free it when there are none (a resize copies what the rows hold)."""
+        rows = 1 << max(len(self.rows) - 1, 0).bit_length() if self.rows else 0  # a power of two
+        rows = min(rows, self.max_batch)
+        slots = self._slots(max((row.need for row in self.rows), default=0))
+        size, capacity = self.cache.size, self.cache.capacity
+        if rows > size or slots > capacity:
+            self.cache.resize(max(rows, size), max(slots, capacity))
+        elif rows * slots * 4 <= size * capacity and (rows, slots) != (size, capacity):
+            self.cache.resize(rows, slots)
+
+    def _slots(self, need: int) -> int:
+        """Slots per row for rows that need at most `need`: a multiple of SLOT_STEP, at most max_context
+        (so that only a row as long as max_context = block_size ever wraps its ring)."""
+        return min(max(-(-need // SLOT_STEP), 1) * SLOT_STEP, self.max_context)
+
+    def _prefill(self) -> None:
+        """Feed at most prefill_chunk prompt tokens, oldest prompts first, all but each prompt's last
+        (that one runs with the batched step, which gives the row its first logits)."""
+        budget = self.prefill_chunk
+        for row in sorted((r for r in self.rows if len(r.pending) > 1), key=lambda r: r.order):
+            n = min(budget, len(row.pending) - 1)
+            self.cache.select(row.slot, row.slot + 1)
+            self.model(torch.tensor([row.pending[:n]], device=self.device), cache=self.cache, last_only=True)
+            del row.pending[:n]
+            budget -= n
+            if budget == 0:
+                break
+
+    def _decode(self) -> None:
+        """The batched step: each row's newest token (a stand-in for rows still prefilling), one pass."""
+        ready = [len(row.pending) == 1 for row in self.rows]
+        if not any(ready):
+            return
+        # Rows join at the end, so prompts still prefilling are mostly after the last ready row.
+        rows = self.rows[:max(i for i, go in enumerate(ready) if go) + 1]
+        # A stand-in's key goes to the slot the row's next prompt chunk overwrites; rewind forgets it.
+        newest = [row.pending[0] if go else 0 for row, go in zip(rows, ready, strict=False)]
+        self.cache.select(0, len(rows))
+        logits = self.model(torch.tensor(newest, device=self.device)[:, None], cache=self.cache,
+                            last_only=True)[0][:, -1]  # (B, V)
+        logits = within_vocabulary(logits, self.tokenizer.vocab_size)
+        for row, go in zip(rows, ready, strict=False):
+            if go:
+                row.pending, row.logits = [], logits[row.slot:row.slot + 1]  # (1, V)
+            else:
+                self.cache.rewind(row.slot)
+        self.steps += 1
+        self.largest_batch = max(self.largest_batch, sum(ready))
 
     def _sample(self, row: Row) -> bool:
         """Choose the row's next token, report it; whether the row is over."""
@@ -307,13 +353,16 @@ class Scheduler:
         row.generated.append(token)
         row.ids.append(token)
         row.feed.tokens.append(token)
+        row.pending, logits, row.logits = [token], row.logits, None
         chunk = next(row.chunks)
-        eot = token == self.tokenizer.eot_id
+        eot = token in self.tokenizer.stop_ids
         if not eot:
-            row.emit(Event(row.index, chunk.text, token, *self._logprobs(row, token)))
+            row.emit(Event(row.index, chunk.text, token, *self._logprobs(row, logits, token)))
         # text_chunks answers a stopping token with an empty chunk; its next chunk is then the last one.
         stopped = eot or (chunk.text == "" and self._stop_found(row))
-        if stopped or len(row.generated) == row.sampling.max_new_tokens:
+        # Below block_size, max_context is where a row ends; at block_size the window slides instead.
+        full = self.max_context < self.config.block_size and len(row.ids) - row.start >= self.max_context
+        if stopped or full or len(row.generated) == row.sampling.max_new_tokens:
             self._finish(row, next(row.chunks))  # with nothing left to feed, "length" unless stopped
             return True
         return False
@@ -323,16 +372,17 @@ class Scheduler:
         text = self.tokenizer.decode(row.generated)
         return any(s in text for s in row.sampling.stop)
 
-    def _logprobs(self, row: Row, token: int) -> tuple[float | None, list[tuple[int, float]] | None]:
+    def _logprobs(self, row: Row, logits: torch.Tensor,
+                  token: int) -> tuple[float | None, list[tuple[int, float]] | None]:
         """The chosen token's log-probability and the `row.logprobs` likeliest, under the raw model."""
         if row.logprobs is None:
             return None, None
-        logp = row.logits.float().log_softmax(dim=-1)[0]  # (V,)
-        top = logp.topk(min(row.logprobs, logp.numel()))
+        logp = logits.float().log_softmax(dim=-1)[0]  # (V,)
+        top = logp.topk(min(row.logprobs, self.tokenizer.vocab_size, logp.numel()))
         return float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
 
-    def _finish(self, row: Row, last: Chunk) -> None:
-        row.emit(Event(row.index, last.text, finish_reason=last.stop_reason,
+    def _finish(self, row: Row, last: Chunk, reason: str | None = None) -> None:
+        row.emit(Event(row.index, last.text, finish_reason=reason or last.stop_reason,
                        completion_tokens=len(row.generated)))
 
     def _remove(self, row: Row) -> None:
@@ -342,3 +392,4 @@ class Scheduler:
             self.cache.move(last.slot, row.slot)
             last.slot = row.slot
             self.rows[row.slot] = last  # its logits are its own tensor, so they move with it
+        self.cache.clear(len(self.rows))

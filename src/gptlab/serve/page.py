@@ -5,6 +5,10 @@ It streams `/v1/completions` (stream=true, logprobs=5) with fetch and a Readable
 token by its probability under the model (the less likely, the stronger the orange), and on a click
 lists the five likeliest tokens at that position and asks `/v1/attention` where the query that chose
 the token attends, in the layer and head picked, shading the text by the weights.
+
+Tokens that are pieces of one character (a byte tokenizer's "é" is two tokens, which the API writes as
+`bytes:\\xc3` and `bytes:\\xa9`) are shown joined, as the character: its shade is the product of the
+pieces' probabilities (the probability of the whole character), its attention weight their sum.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ PAGE = """<!doctype html>
 "use strict";
 const INFO = JSON.parse(document.getElementById("info").textContent);
 const $ = (id) => document.getElementById(id);
-let prompt = "", tokens = [], selected = -1;
+let prompt = "", tokens = [], selected = -1, group = null;
 
 for (const [id, count] of [["layer", INFO.n_layer], ["head", INFO.n_head]]) {
   for (let i = 0; i < count; i++) $(id).add(new Option(String(i), String(i)));
@@ -120,20 +124,57 @@ function request() {
   return body;
 }
 
+function pieceBytes(label) {  // a token's bytes: OpenAI writes a piece of a character as bytes:\\xNN
+  if (!label.startsWith("bytes:")) return Array.from(new TextEncoder().encode(label));
+  return label.slice(6).split("\\\\x").filter((h) => h).map((h) => parseInt(h, 16));
+}
+
+function utf8State(bytes) {  // "whole" characters, a "partial" one still to come, or "invalid" bytes
+  const strict = new TextDecoder("utf-8", {fatal: true}), data = new Uint8Array(bytes);
+  try { strict.decode(data); return "whole"; } catch (err) { /* not whole: partial or invalid */ }
+  try { new TextDecoder("utf-8", {fatal: true}).decode(data, {stream: true}); return "partial"; }
+  catch (err) { return "invalid"; }
+}
+
+function joined(pieces) {  // [{bytes, ...}] -> groups of consecutive pieces that make whole characters
+  const groups = [];
+  let open = null;
+  pieces.forEach((piece, i) => {
+    open = open || {first: i, bytes: [], pieces: []};
+    open.bytes.push(...piece.bytes);
+    open.pieces.push(piece);
+    if (utf8State(open.bytes) !== "partial" || open.bytes.length >= 4) { groups.push(open); open = null; }
+  });
+  if (open) groups.push(open);
+  for (const g of groups) g.text = new TextDecoder().decode(new Uint8Array(g.bytes));
+  return groups;
+}
+
 function addToken(logprobs) {
-  const text = logprobs.tokens[0], p = Math.exp(logprobs.token_logprobs[0]);
+  const label = logprobs.tokens[0], p = Math.exp(logprobs.token_logprobs[0]);
   const top = Object.entries(logprobs.top_logprobs[0]).map(([t, lp]) => [t, Math.exp(lp)]);
-  const i = tokens.length;
-  tokens.push({text, p, top});
-  const span = document.createElement("span");
-  span.className = "tok";
-  span.textContent = text;
-  span.dataset.i = i;
-  span.dataset.prob = p.toFixed(4);
-  span.title = "p = " + (100 * p).toFixed(1) + "%";
-  span.style.background = "rgba(240, 120, 20, " + (0.85 * (1 - p)).toFixed(3) + ")";
-  span.addEventListener("click", () => select(i));
-  $("output").appendChild(span);
+  tokens.push({label, bytes: pieceBytes(label), p, top});
+  showTokens(false);
+}
+
+function showTokens(final) {  // the spans of whole characters; a piece waits for the rest of its character
+  const groups = joined(tokens), shown = $("output").querySelectorAll(".tok").length;
+  const last = groups[groups.length - 1];
+  const ready = final || utf8State(last.bytes) !== "partial" ? groups.length : groups.length - 1;
+  for (const g of groups.slice(shown, ready)) {
+    const p = g.pieces.reduce((product, piece) => product * piece.p, 1);
+    const span = document.createElement("span");
+    span.className = "tok";
+    span.textContent = g.text;
+    span.dataset.i = g.first;
+    span.dataset.pieces = g.pieces.length;
+    span.dataset.prob = p.toFixed(4);
+    span.title = "p = " + (100 * p).toFixed(1) + "%" + (g.pieces.length > 1 ? " (" + g.pieces.length +
+                 " tokens)" : "");
+    span.style.background = "rgba(240, 120, 20, " + (0.85 * (1 - p)).toFixed(3) + ")";
+    span.addEventListener("click", () => select(g.first));
+    $("output").appendChild(span);
+  }
 }
 
 function trimTo(text) {  // a stop string is never shown: cut the token spans to the completion's text
@@ -186,6 +227,7 @@ async function generate() {
         if (chunk.usage) usage = chunk.usage;
       }
     }
+    if (tokens.length) showTokens(true);
     trimTo(text);
   } catch (err) {
     failure = String(err);
@@ -207,7 +249,7 @@ function select(i) {
   for (const [t, p] of tokens[i].top) {
     const li = document.createElement("li");
     li.textContent = visible(t) + "  " + (100 * p).toFixed(1) + "%";
-    if (t === tokens[i].text) li.className = "chosen";
+    if (t === tokens[i].label) li.className = "chosen";
     alternatives.appendChild(li);
   }
   showAttention();
@@ -216,7 +258,8 @@ function select(i) {
 async function showAttention() {
   if (selected < 0) return;
   const i = selected, layer = Number($("layer").value), head = Number($("head").value);
-  const context = prompt + tokens.slice(0, i).map((t) => t.text).join("");
+  const before = tokens.slice(0, i).flatMap((t) => t.bytes);  // whole characters: i starts one
+  const context = prompt + new TextDecoder().decode(new Uint8Array(before));
   const res = await fetch("/v1/attention", {method: "POST", headers: headers(),
                                             body: JSON.stringify({text: context, layer, head})});
   const reply = await res.json();
@@ -224,16 +267,19 @@ async function showAttention() {
   const box = $("attention");
   box.textContent = "";
   if (!res.ok) { $("focus").textContent = "error: " + reply.error.message; return; }
-  reply.tokens.forEach((label, j) => {
-    const span = document.createElement("span"), w = reply.weights[j];
-    span.textContent = label;
+  const groups = joined(reply.bytes.map((bytes, j) => ({bytes, weight: reply.weights[j]})));
+  groups.forEach((g, j) => {
+    const span = document.createElement("span");
+    const w = g.pieces.reduce((sum, piece) => sum + piece.weight, 0);
+    span.textContent = visible(g.text);
     span.title = "weight " + w.toFixed(4);
     span.dataset.weight = w;
-    span.style.background = "rgba(30, 95, 200, " + w.toFixed(3) + ")";
-    if (j === reply.tokens.length - 1) span.className = "query";
+    span.dataset.pieces = g.pieces.length;
+    span.style.background = "rgba(30, 95, 200, " + Math.min(1, w).toFixed(3) + ")";
+    if (j === groups.length - 1) span.className = "query";
     box.appendChild(span);
   });
-  $("focus").textContent = "Choosing " + visible(tokens[i].text) +
+  $("focus").textContent = "Choosing " + visible(tokens[i].label) +
     ", the last token (outlined) attends over " +
     (reply.dropped ? "the last " + reply.tokens.length + " tokens" : "the text") +
     " in layer " + layer + ", head " + head + ":";

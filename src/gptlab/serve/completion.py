@@ -1,0 +1,251 @@
+"""One completion request on its way through the server: its prompts checked and encoded, its rows
+queued on the decode thread, and their events turned into OpenAI's JSON, streamed or whole.
+
+Per-token text (`logprobs.tokens`, the keys of `top_logprobs`) is each token's own bytes; a token that
+is part of a character is written as OpenAI writes it, `bytes:\\xc3` (`token_text`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from gptlab.model import GPT
+from gptlab.sampling import sampler
+from gptlab.serve.batching import Event, QueueFull, Row, Scheduler, Ticket
+from gptlab.serve.schemas import APIError, CompletionRequest, Limits, sampling_config
+from gptlab.tokenizer import Tokenizer
+
+# gptlab's stop reasons, OpenAI's names: a row cut by its deadline ends as one cut by max_tokens.
+FINISH_REASONS = {"eot": "stop", "stop": "stop", "length": "length", "deadline": "length"}
+BUSY_RETRY = 5.0  # seconds a client whose request timed out in the queue is told to wait
+
+
+@dataclass
+class Served:
+    """What the routes share: the model, its name, the decode thread and the server's limits."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    name: str
+    scheduler: Scheduler
+    api_key: str | None
+    limits: Limits
+    max_choices: int  # the most rows (prompts x n) one request may start
+    created: int
+    defaults: dict[str, Any]  # sampling values for fields a request leaves out (a model's own)
+
+    @property
+    def max_context(self) -> int:
+        return self.limits.max_context or self.model.config.block_size
+
+
+def encode_prompt(text: str, served: Served, param: str, max_tokens: int) -> list[int]:
+    """The token ids of a prompt, or a 400 when the tokenizer cannot encode it or it does not fit.
+
+    With max_context below block_size the prompt and max_tokens must fit together; at block_size a
+    completion may run past the window, which slides as in `generate`."""
+    try:
+        ids = served.tokenizer.encode(text)
+    except ValueError as err:
+        raise APIError(400, f"{param}: {err}", param, "unencodable_prompt") from None
+    window, context = served.model.config.block_size, served.max_context
+    if not ids:
+        raise APIError(400, f"{param} encodes to no tokens: give a non-empty prompt", param, "empty_prompt")
+    if len(ids) > window:
+        raise APIError(400, f"{param} is {len(ids)} tokens long; this model's context window is {window} "
+                       "tokens: shorten it", param, "context_length_exceeded")
+    if context < window and len(ids) + max_tokens > context:
+        raise APIError(400, f"{param} is {len(ids)} tokens and max_tokens is {max_tokens}, more than this "
+                       f"server's context of {context} tokens: shorten the prompt or ask for fewer tokens",
+                       param, "context_length_exceeded")
+    return ids
+
+
+def start_completion(body: CompletionRequest, served: Served) -> Completion:
+    """Validate every choice, then queue them all on the decode thread (nothing is queued on a 400)."""
+    prompts = body.prompts
+    if len(prompts) * body.n > served.max_choices:
+        raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} is more than the {served.max_choices} "
+                       "choices one request may ask for", "n", "too_many_choices")
+    sampling = sampling_config(body, body.seed, served.limits)
+    encoded = [encode_prompt(p, served, "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]",
+                             body.max_tokens) for i, p in enumerate(prompts)]
+    job = Completion(body, served, prompts, sum(map(len, encoded)))
+    device = next(served.model.parameters()).device
+    deadline = time.monotonic() + served.limits.request_timeout
+    rows = []
+    for index in range(len(prompts) * body.n):
+        # Choice i is seeded with seed + i, so a request with one choice is `generate` with its seed.
+        seed = secrets.randbits(63) if body.seed is None else (body.seed + index) % 2**63
+        choice = sampling.replace(seed=seed)
+        rows.append(Row(index, list(encoded[index // body.n]), choice, sampler(choice, device),
+                        body.logprobs, job.emit, job.ticket, deadline=deadline))
+    try:
+        served.scheduler.submit(rows)
+    except QueueFull as full:
+        raise APIError(429, "the server's queue is full: retry later", None, "queue_full", "rate_limit_error",
+                       retry_after=full.retry_after) from None
+    return job
+
+
+def token_text(piece: bytes) -> str:
+    """A token's text as OpenAI's logprobs write it: its characters, or `bytes:\\xNN...` for a token
+    that is not whole UTF-8 on its own (a piece of a character)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+
+
+class Completion:
+    """One request's choices as they decode: their events arrive on an asyncio queue from the decode
+    thread, and become OpenAI's JSON, streamed or at the end."""
+
+    def __init__(self, body: CompletionRequest, served: Served, prompts: list[str],
+                 prompt_tokens: int) -> None:
+        self.body, self.served, self.prompts = body, served, prompts
+        self.choices = len(prompts) * body.n
+        self.prompt_tokens = prompt_tokens
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.created = int(time.time())
+        self.ticket = Ticket()
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event | None] = asyncio.Queue()  # None: the client went away
+        self.usage = body.stream_options is not None and body.stream_options.include_usage
+        self.offsets = [len(prompts[i // body.n]) for i in range(self.choices)]  # text_offset, per choice
+        # Characters completed so far, per choice: a piece of a character moves the offset only once whole.
+        self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(self.choices)]
+
+    def emit(self, event: Event) -> None:
+        """Called on the decode thread: hand the event to this request's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: the server is stopping
+            self.ticket.cancel()
+
+    async def watch(self, request: Request) -> None:
+        """Poll the connection; when it closes, cancel the rows (queued ones never start) and stop waiting."""
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.05)
+        self.ticket.cancel()
+        self.events.put_nowait(None)
+
+    async def first_event(self, request: Request) -> Event | None:
+        """The first event of a streamed request, waited for while watching the connection; an error
+        before any token (the deadline passed in the queue) is raised as the request's own status."""
+        watcher = asyncio.create_task(self.watch(request))
+        try:
+            event = await self.events.get()
+        finally:
+            watcher.cancel()
+        if event is not None and event.error is not None:
+            self.ticket.cancel()
+            raise failure(event)
+        return event
+
+    async def events_until_done(self, first: Event | None = None) -> AsyncIterator[Event]:
+        """Every event of every choice, until each has ended or the client left; cancels the rest."""
+        ended = 0
+        try:
+            event = first if first is not None else await self.events.get()
+            while event is not None:
+                if event.error is not None:
+                    raise failure(event)
+                ended += event.finish_reason is not None
+                yield event
+                if ended == self.choices:
+                    return
+                event = await self.events.get()
+        finally:
+            self.ticket.cancel()  # a no-op for rows that ended; frees the slots of the others
+
+    def choice(self, event: Event) -> dict[str, Any]:
+        """One event as an OpenAI choice (a stream chunk's, or a part of a whole completion's)."""
+        logprobs = None
+        if event.logprob is not None:
+            assert event.token is not None
+            piece = self.served.tokenizer.token_bytes(event.token)
+            top = {token_text(self.served.tokenizer.token_bytes(t)): finite(lp) for t, lp in event.top or []}
+            logprobs = {"tokens": [token_text(piece)], "token_logprobs": [finite(event.logprob)],
+                        "top_logprobs": [top], "text_offset": [self.offsets[event.index]]}
+            self.offsets[event.index] += len(self.utf8[event.index].decode(piece))
+        return {"text": event.text, "index": event.index, "logprobs": logprobs,
+                "finish_reason": FINISH_REASONS.get(event.finish_reason or "")}
+
+    def envelope(self, choices: list[dict[str, Any]], completion_tokens: int | None = None) -> dict[str, Any]:
+        reply: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
+                                 "model": self.served.name, "choices": choices}
+        if completion_tokens is not None:
+            reply["usage"] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": self.prompt_tokens + completion_tokens}
+        return reply
+
+    async def stream(self, first: Event) -> AsyncIterator[str]:
+        """Server-sent events: a chunk per token, a last chunk per choice, usage if asked, then [DONE].
+
+        As OpenAI: with include_usage every chunk carries "usage": null and a last one, with no choices,
+        the usage; without it no chunk mentions usage."""
+        completion_tokens, ready = 0, []
+        try:
+            async for event in self.events_until_done(first):
+                completion_tokens += event.completion_tokens
+                chunk = self.envelope([self.choice(event)])
+                ready.append(sse({**chunk, "usage": None} if self.usage else chunk))
+                if self.events.empty():  # one write for the chunks that arrived together
+                    yield "".join(ready)
+                    ready = []
+        except APIError as err:  # the status is sent already: report in the stream, as OpenAI does
+            yield sse(err.body())
+            return
+        usage = sse(self.envelope([], completion_tokens)) if self.usage else ""
+        yield "".join(ready) + usage + "data: [DONE]\n\n"
+
+    async def collect(self, request: Request) -> dict[str, Any]:
+        """The whole completion; a client that disconnects first cancels its rows."""
+        watcher = asyncio.create_task(self.watch(request))
+        texts, logprobs = [""] * self.choices, [empty_logprobs() for _ in range(self.choices)]
+        reasons: list[str | None] = [None] * self.choices
+        completion_tokens = 0
+        try:
+            async for event in self.events_until_done():
+                part = self.choice(event)
+                texts[event.index] += event.text
+                reasons[event.index] = part["finish_reason"] or reasons[event.index]
+                completion_tokens += event.completion_tokens
+                for key, values in (part["logprobs"] or {}).items():
+                    logprobs[event.index][key] += values
+        finally:
+            watcher.cancel()
+        choices = [{"text": texts[i], "index": i, "logprobs": logprobs[i] if self.body.logprobs is not None
+                    else None, "finish_reason": reasons[i]} for i in range(self.choices)]
+        return self.envelope(choices, completion_tokens)
+
+
+def failure(event: Event) -> APIError:
+    """The error event of a choice as the request's refusal: a 503 (with Retry-After) unless it says."""
+    status = event.status
+    return APIError(status, event.error or "decoding failed", None, "decoding_failed", "server_error",
+                    retry_after=BUSY_RETRY if status == 503 else None)
+
+
+def empty_logprobs() -> dict[str, list]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token of probability 0 gets the most negative float instead."""
+    return logprob if math.isfinite(logprob) else -3.4e38
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
