@@ -1,5 +1,6 @@
 """The playground page of `gptlab serve` in a real headless Chromium, against a real server: type a prompt,
-press Generate, read the streamed tokens from the page, click one for its alternatives and attention."""
+press Generate, read the streamed tokens from the page, click one for its alternatives and attention.
+And the page as served: built from its package data files, with the server's values escaped."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import math
 import time
 from collections.abc import Iterator
+from html.parser import HTMLParser
+from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,9 +23,10 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from gptlab.checkpoint import load_run  # noqa: E402
-from gptlab.config import SamplingConfig  # noqa: E402
+from gptlab.config import ModelConfig, SamplingConfig  # noqa: E402
 from gptlab.inspection import attention_maps  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
+from gptlab.serve.page import playground  # noqa: E402
 from test_serve import Live, alone, start_server  # noqa: E402
 from test_serve_tokens import THE, successor_model  # noqa: E402
 
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SPANS = "Array.from(document.querySelectorAll('{}')).map(s => {})"  # one value per element shown
+HOSTILE = 'a </script><script>document.title="owned"</script><!-- \'q\' & "q" </style>'  # a model's name
 
 
 @pytest.fixture
@@ -55,6 +60,63 @@ def click(browser: Chromium, selector: str) -> None:
     x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
     for kind in ("mousePressed", "mouseReleased"):
         browser.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+
+class Elements(HTMLParser):
+    """Every element of a page as (tag, attributes, text directly inside it), as a browser would read it."""
+
+    def __init__(self, page: str) -> None:
+        super().__init__()
+        self.found: list[tuple[str, dict, str]] = []
+        self.open: list[int] = []
+        self.feed(page)
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.found.append((tag, dict(attrs), ""))
+        if tag not in ("meta", "input", "br"):  # void elements hold no text
+            self.open.append(len(self.found) - 1)
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.open and self.found[self.open[-1]][0] == tag:
+            self.open.pop()
+
+    def handle_data(self, data: str) -> None:
+        if self.open:
+            tag, attrs, text = self.found[self.open[-1]]
+            self.found[self.open[-1]] = (tag, attrs, text + data)
+
+    def texts(self, tag: str) -> list[str]:
+        return [text for t, _, text in self.found if t == tag]
+
+
+def packaged(filename: str) -> str:
+    """A file of the package's static/ folder, as installed, without its leading and trailing blank lines."""
+    return (files("gptlab.serve") / "static" / filename).read_text(encoding="utf-8").strip()
+
+
+def test_page_is_built_from_its_package_data_files() -> None:
+    """The served page inlines static/playground.css and .js unchanged: one response, nothing to fetch."""
+    page = Elements(playground(ModelConfig(n_layer=2, n_head=2), "tiny", 64, needs_key=False))
+    assert [text.strip() for text in page.texts("style")] == [packaged("playground.css")]
+    scripts = [(attrs.get("type"), text.strip()) for tag, attrs, text in page.found if tag == "script"]
+    assert scripts[1] == (None, packaged("playground.js"))
+    assert len(scripts) == 2 and json.loads(scripts[0][1])["n_layer"] == 2
+    key_field = [attrs for tag, attrs, _ in page.found if attrs.get("id") == "key-field"]
+    assert key_field == [{"id": "key-field", "hidden": None}]  # shown only by a server that needs a key
+
+
+def test_a_model_name_with_markup_cannot_break_the_page() -> None:
+    """A name holding </script>, a comment and quotes comes back unchanged as text and JSON, and adds no
+    element, as Python's HTML parser reads the page (the browser test below checks it in Chromium)."""
+    page = Elements(playground(ModelConfig(), HOSTILE, 64, needs_key=True))
+    assert page.texts("title") == ["gptlab playground: " + HOSTILE]
+    assert page.texts("small") == [HOSTILE]
+    scripts = [attrs for tag, attrs, _ in page.found if tag == "script"]
+    assert scripts == [{"type": "application/json", "id": "info"}, {}]
+    info, script = page.texts("script")
+    assert json.loads(info)["name"] == HOSTILE
+    assert script.strip() == packaged("playground.js")
+    assert [attrs for _, attrs, _ in page.found if attrs.get("id") == "key-field"] == [{"id": "key-field"}]
 
 
 def wait_until(browser: Chromium, expression: str, seconds: float = 20) -> None:
@@ -112,6 +174,7 @@ def test_playground_joins_the_pieces_of_a_character(browser: Chromium) -> None:
     url, server, thread = start_server(app)
     try:
         browser.open(url + "/")
+        assert browser.js("document.getElementById('key-field').offsetParent === null")  # no key: not shown
         for field, value in (("prompt", "é>"), ("max-tokens", 5), ("temperature", 0)):
             browser.js(f"document.getElementById('{field}').value = {json.dumps(str(value))}")
         click(browser, "#generate")
@@ -135,6 +198,33 @@ def test_playground_joins_the_pieces_of_a_character(browser: Chromium) -> None:
         weights = browser.js(SPANS.format("#attention span", "Number(s.dataset.weight)"))
         assert_close(torch.tensor(weights), torch.stack([w[0] + w[1], w[2], w[3], w[4], w[5] + w[6]]),
                      atol=1e-4, rtol=0)
+        assert not [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.slow  # starts a headless Chromium
+def test_playground_with_a_key_and_a_name_full_of_markup(browser: Chromium) -> None:
+    """A server that needs a key shows the key field; the page sends the key typed there; a model's name
+    holding </script> is shown as text and runs nothing."""
+    model, tokenizer = successor_model(THE)
+    url, server, thread = start_server(create_app(model, tokenizer, HOSTILE, api_key="s3cret"))
+    try:
+        browser.open(url + "/")
+        assert browser.js("document.title") == "gptlab playground: " + HOSTILE
+        assert browser.js("INFO.name") == HOSTILE and browser.js("document.scripts.length") == 2
+        assert browser.js("document.getElementById('key-field').offsetParent !== null")  # shown
+        for field, value in (("prompt", "é>"), ("max-tokens", 5), ("temperature", 0)):
+            browser.js(f"document.getElementById('{field}').value = {json.dumps(str(value))}")
+        click(browser, "#generate")
+        wait_until(browser, "document.getElementById('output').dataset.state === 'error'")
+        status = browser.js("document.getElementById('status').textContent")  # the server's 401, shown
+        assert status.startswith("error: missing or wrong API key"), status
+        browser.js("document.getElementById('api-key').value = 's3cret'")
+        click(browser, "#generate")
+        wait_until(browser, "document.getElementById('output').dataset.state === 'done'")
+        assert browser.js(SPANS.format("#output .tok", "s.textContent")) == ["t", "h", "é", "."]
         assert not [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
     finally:
         server.should_exit = True

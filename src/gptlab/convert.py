@@ -60,7 +60,14 @@ from gptlab.convert_llama import (
     to_llama_state,
 )
 from gptlab.files import atomic_write, atomic_write_text
-from gptlab.hf_folder import eos_ids, generation_config, generation_defaults, read_tensors, token_ids
+from gptlab.hf_folder import (
+    chat_template,
+    eos_ids,
+    generation_config,
+    generation_defaults,
+    read_tensors,
+    token_ids,
+)
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, ImportedTokenizer, tokenizer_from_dict
 
@@ -476,6 +483,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
     out_dir = _new_folder(out_dir)
     # `generation` is what `gptlab sample` uses for the settings its user leaves out (generation_defaults)
     state = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
+    template = chat_template(hf_dir)  # kept as Jinja source; gptlab.adapt.chat renders it
+    if template is not None:
+        state["chat_template"] = template
     save_checkpoint(out_dir / BEST, Checkpoint(config, tokenizer, tensors, state=state))
     resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir)}
     atomic_write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")

@@ -7,7 +7,9 @@ shard, so a converter that uses each tensor as it comes (`checkpoint.gather_tens
 the whole checkpoint twice. Pickles are read with `weights_only=True`: a hostile file runs nothing.
 
 `generation_config.json` holds the model's own sampling settings and end-of-sequence ids; gptlab
-keeps those it has fields for (`generation_defaults`, `eos_ids`).
+keeps those it has fields for (`generation_defaults`, `eos_ids`). The chat template (Jinja source and
+the special tokens it names) comes from `chat_template.jinja` or `tokenizer_config.json`
+(`chat_template`); `gptlab.adapt.chat` renders it.
 """
 
 from __future__ import annotations
@@ -122,3 +124,40 @@ def eos_ids(hf_dir: Path, hf_config: dict[str, Any]) -> list[int]:
     found = [*token_ids(hf_config.get("eos_token_id")),
              *token_ids(generation_config(hf_dir).get("eos_token_id"))]
     return list(dict.fromkeys(found))
+
+
+# The special tokens a chat template may name as variables, as tokenizer_config.json lists them.
+TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict with "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def chat_template_from_config(tokenizer_config: dict[str, Any]) -> dict[str, Any] | None:
+    """A `tokenizer_config.json`'s default chat template as {"kind": "jinja", "source", "tokens"}, or None."""
+    source = tokenizer_config.get("chat_template")
+    if isinstance(source, list):  # several named templates: transformers uses the one named "default"
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str):
+        return None
+    tokens = {name: _token_text(tokenizer_config.get(name)) for name in TOKEN_NAMES}
+    return {"kind": "jinja", "source": source,
+            "tokens": {name: text for name, text in tokens.items() if text is not None}}
+
+
+def chat_template(hf_dir: Path) -> dict[str, Any] | None:
+    """The folder's chat template: `chat_template.jinja` (newer transformers save it apart) or the one in
+    `tokenizer_config.json`, as `chat_template_from_config` gives it; None when it has neither."""
+    config_file = hf_dir / "tokenizer_config.json"
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    except ValueError as err:
+        raise ValueError(f"{config_file} is not JSON ({err})") from None
+    if (hf_dir / "chat_template.jinja").is_file():
+        config = {**config, "chat_template": (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")}
+    return chat_template_from_config(config)

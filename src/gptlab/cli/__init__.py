@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
 
+from gptlab.cli.adapt import add_adapt_commands
 from gptlab.cli.common import TqdmHandler
 from gptlab.cli.hf import add_hf_commands
 from gptlab.cli.inspect import add_inspect_commands
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_commands(sub)
     add_seq2seq_commands(sub)
     add_serve_command(sub)
+    add_adapt_commands(sub)
     return parser
 
 
