@@ -15,7 +15,7 @@ from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig
 from gptlab.model import GPT
-from gptlab.tokenizer import BPETokenizer
+from gptlab.tokenizer import BPETokenizer, CharTokenizer
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "chat-templates"
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
@@ -180,3 +180,14 @@ def test_masks_command_off_a_terminal(bpe: BPETokenizer, tmp_path: Path, capsys)
     assert main(["masks", str(tmp_path), "--data", str(bad)]) == 2
     error = f"gptlab: error: {bad}:2: missing key 'completion' of a prompt-completion example\n"
     assert capsys.readouterr().err == error
+
+
+def test_masks_of_prompt_completion_data_on_a_char_run(tmp_path: Path, capsys) -> None:
+    """A char tokenizer cannot take chat markers, and prompt/completion data needs none: masks works."""
+    chars = CharTokenizer("\nabc=")
+    config = ModelConfig(vocab_size=chars.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16)
+    save_checkpoint(tmp_path / BEST, Checkpoint(config, chars.to_dict(), model_tensors(GPT(config)),
+                                                state={"step": 0}))
+    data = write(tmp_path / "d.jsonl", [{"prompt": "ab=", "completion": "ba\n"}])
+    assert main(["masks", str(tmp_path), "--data", str(data)]) == 0
+    assert "ab=[[ba\n]]" in capsys.readouterr().out

@@ -229,3 +229,58 @@ def test_playground_with_a_key_and_a_name_full_of_markup(browser: Chromium) -> N
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+@pytest.mark.slow  # starts a headless Chromium
+def test_playground_chat_mode_shows_the_reply_and_its_probabilities(tmp_path: Path,
+                                                                     browser: Chromium) -> None:
+    """Chat mode: a sent message gets the API's greedy reply, each token shaded by the API's probability;
+    a second message continues the conversation; a click shows where the model looked in the chat."""
+    from gptlab.adapt.chat import NativeTemplate
+    from test_chat_cli import build_chat_run
+
+    model, tokenizer = load_run(build_chat_run(tmp_path / "chat"))
+    url, server, thread = start_server(create_app(model, tokenizer, "chat", template=NativeTemplate()))
+    try:
+        browser.open(url + "/")
+        click(browser, "#mode-chat")
+        assert browser.js("document.getElementById('chat-panel').hidden") is False
+        for field, value in (("max-tokens", 12), ("temperature", 0), ("system", "be brief")):
+            browser.js(f"document.getElementById('{field}').value = {json.dumps(str(value))}")
+        browser.js("document.getElementById('message').focus()")
+        browser.call("Input.insertText", text="the cat")
+        click(browser, "#generate")
+        wait_until(browser, "document.getElementById('chat-log').dataset.state === 'done'")
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
+        request = {"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
+                   "top_logprobs": 5}
+        api = httpx.post(f"{url}/v1/chat/completions", json=request).json()["choices"][0]
+        shown = browser.js(SPANS.format("#chat-log .turn.assistant .tok", "s.textContent") + ".join('')")
+        assert shown == api["message"]["content"]
+        probs = browser.js(SPANS.format("#chat-log .tok", "Number(s.dataset.prob)"))
+        starts = browser.js(SPANS.format("#chat-log .tok", "[Number(s.dataset.i), Number(s.dataset.pieces)]"))
+        p = torch.tensor([e["logprob"] for e in api["logprobs"]["content"]]).exp()
+        expected = torch.stack([p[i:i + n].prod() for i, n in starts])  # a character's pieces joined
+        assert_close(torch.tensor(probs), expected, atol=1e-4, rtol=0)
+
+        click(browser, "#chat-log .tok[data-i='0']")  # chosen after the rendered conversation
+        wait_until(browser, "document.querySelectorAll('#attention span').length > 0")
+        context = NativeTemplate().render(messages, add_generation_prompt=True)
+        maps = attention_maps(model, tokenizer, context, tokenizer.encode(context), layer=0, head=0)
+        weights = browser.js(SPANS.format("#attention span", "Number(s.dataset.weight)"))
+        # The rendered conversation is ASCII: one span per token, its markers among them.
+        assert_close(torch.tensor(weights, dtype=torch.float32), maps.weights[0, 0, -1], atol=1e-4, rtol=0)
+
+        browser.js("document.getElementById('message').value = 'a dog'")
+        click(browser, "#generate")
+        wait_until(browser, "document.querySelectorAll('#chat-log .turn').length === 4 && "
+                   "document.getElementById('chat-log').dataset.state === 'done'")
+        follow = {**request, "messages": [*messages, {"role": "assistant", "content": shown},
+                                          {"role": "user", "content": "a dog"}]}
+        second = httpx.post(f"{url}/v1/chat/completions", json=follow).json()["choices"][0]["message"]
+        replies = browser.js(SPANS.format("#chat-log .turn.assistant", "s.textContent"))
+        assert replies == [shown, second["content"]]
+        assert not [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -31,6 +31,9 @@ from gptlab.model import GPT
 from gptlab.tokenizer import DamagedTokenizerError, Tokenizer, tokenizer_from_dict
 
 FORMAT = "gptlab-checkpoint-1"
+# The state key of an adapter run (`gptlab finetune --lora`): {"base": its base run's checkpoint file,
+# "config": the LoraConfig}. Such a checkpoint holds only the adapter tensors.
+ADAPTER = "lora"
 LAST, BEST = "last.safetensors", "best.safetensors"
 # The architectures a checkpoint may hold: its config class and model class, by the name it is saved under.
 ARCHITECTURES: dict[str, tuple[type[ModelConfig], type[nn.Module]]] = {
@@ -71,7 +74,10 @@ class Checkpoint:
                              "checkpoint of the run") from None
 
     def build_model(self) -> GPT | EncoderDecoder:
-        """The model with these weights (tied heads restored from the embedding)."""
+        """The model with these weights (tied heads restored from the embedding); for an adapter run, its
+        base run's model with these LoRA adapters on it."""
+        if ADAPTER in self.state:
+            return adapted_model(self)
         return self.load_weights(new_model(self.model_config))
 
     def load_weights(self, model: GPT | EncoderDecoder) -> GPT | EncoderDecoder:
@@ -87,6 +93,25 @@ class Checkpoint:
             raise ValueError(f"{self.source} is damaged: its weights do not fit the model config in its "
                              f"header (missing {missing}, unexpected {unexpected}); use another checkpoint")
         return model
+
+
+def adapted_model(checkpoint: Checkpoint) -> GPT:
+    """The base run's model (`checkpoint.state[ADAPTER]["base"]`) with the checkpoint's LoRA adapters."""
+    # gptlab.adapt builds on this module (lora -> convert -> checkpoint): imported when used, not above.
+    from gptlab.adapt.lora import LoraConfig, add_lora, load_lora_state
+
+    saved = checkpoint.state[ADAPTER]
+    base_file = Path(saved["base"])
+    if not base_file.is_file():
+        raise ValueError(f"{checkpoint.source} holds LoRA adapters for the base model {base_file}, which is "
+                         "not there: put the base run back, or merge the adapters (gptlab merge) while it is")
+    base = load_checkpoint(base_file)
+    if base.model_config != checkpoint.model_config or ADAPTER in base.state:
+        raise ValueError(f"{base_file} is not the base model {checkpoint.source} was trained on (another "
+                         "shape or vocabulary): fine-tune again from the base you have")
+    model = add_lora(base.build_model(), LoraConfig.from_dict(saved["config"]))
+    load_lora_state(model, checkpoint.model_state)
+    return model
 
 
 def model_tensors(model: GPT | EncoderDecoder) -> dict[str, torch.Tensor]:

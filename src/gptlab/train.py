@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from gptlab import distributed
@@ -84,6 +85,9 @@ class TrainingData(Protocol):
 
 def data_from_state(state: dict[str, Any], run_dir: Path) -> TrainingData:
     """The data source a checkpoint in `run_dir` was trained on."""
+    if "sft" in state:  # its source is rebuilt by gptlab.adapt.finetune, which builds on this module
+        raise ValueError(f"{run_dir} is a fine-tuning run: continue it with gptlab finetune ... --out "
+                         f"{run_dir} --resume")
     return TaskData(TaskConfig.from_dict(state["task"])) if "task" in state else TokenData(
         data_folder(run_dir, state))
 
@@ -164,8 +168,15 @@ class Trainer:
 
     def __init__(self, run_dir: Path, data: TrainingData, config: ModelConfig, train_config: TrainConfig,
                  dist: distributed.Dist, device: torch.device, checkpoint: Checkpoint | None = None,
-                 progress: bool = True, init_from: Checkpoint | None = None) -> None:
-        """`checkpoint` resumes a run exactly; `init_from` only supplies starting weights (fine-tuning)."""
+                 progress: bool = True, init_from: Checkpoint | None = None, model: nn.Module | None = None,
+                 patience: int = 0) -> None:
+        """`checkpoint` resumes a run exactly; `init_from` only supplies starting weights (fine-tuning).
+
+        `model`, when given, is trained instead of a new model of `config` and already holds its starting
+        weights (a base with adapters, say): only its parameters that require grad are trained, and only
+        they are saved. `patience` > 0 stops once that many evaluations in a row have not improved the
+        best validation loss (early stopping).
+        """
         self.run_dir, self.data = run_dir, data
         self.config, self.train_config = config, train_config
         self.dist, self.device = dist, device
@@ -188,9 +199,13 @@ class Trainer:
         self.rows = slice(dist.rank * share, (dist.rank + 1) * share)  # this rank's windows
         self.dtype = resolve_precision(train_config.precision, device, config.n_embd)
         seed_everything(train_config.seed)
-        model = new_model(config)
-        if (checkpoint or init_from) is not None:
-            (checkpoint or init_from).load_weights(model)
+        if model is None:
+            model = new_model(config)
+            if (checkpoint or init_from) is not None:
+                (checkpoint or init_from).load_weights(model)
+        self.frozen = {name for name, p in model.named_parameters(remove_duplicate=False)
+                       if not p.requires_grad}
+        self.patience, self.stale = patience, 0  # stale: evaluations since the best one
         self.model = distributed.wrap(model.to(device), train_config.parallel, dist, device)
         self.optimizer = make_optimizer(self.model, train_config)
         self.batches = torch.Generator().manual_seed(train_config.seed)  # the data sampler's state
@@ -211,9 +226,13 @@ class Trainer:
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         assert checkpoint.optimizer_state is not None, "a training checkpoint carries its optimiser"
-        distributed.load_optimizer_state(self.model, self.optimizer, checkpoint.optimizer_state)
+        slots = checkpoint.optimizer_state
+        if slots:  # frozen parameters never have optimiser slots
+            slots = {**{name: {} for name in self.frozen}, **slots}
+        distributed.load_optimizer_state(self.model, self.optimizer, slots)
         state = checkpoint.state
         self.step, self.best_val = state["step"], state["best_val_loss"]
+        self.stale = state.get("stale_evaluations", 0)
         self.last_val = state["last_val_loss"]
         self.train_time, self.tokens_seen = state["train_time_s"], state["tokens_seen"]
         torch.set_rng_state(checkpoint.rng["torch"])
@@ -228,10 +247,12 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"step": self.step, "best_val_loss": self.best_val, "last_val_loss": self.last_val,
                  "train_time_s": self.train_time, "tokens_seen": self.tokens_seen,
-                 **portable(self.data.state(), self.run_dir)}
-        weights = distributed.full_model_state(self.model)
+                 "stale_evaluations": self.stale, **portable(self.data.state(), self.run_dir)}
+        # Frozen weights (a base under adapters) are not saved: the data's state says where they are.
+        weights = {name: tensor for name, tensor in distributed.full_model_state(self.model).items()
+                   if name not in self.frozen}
         if self.config.tied:  # stored once, as the embedding
-            del weights["lm_head.weight"]
+            weights.pop("lm_head.weight", None)
         return Checkpoint(self.config, self.data.tokenizer.to_dict(), weights, self.train_config, state,
                           distributed.full_optimizer_state(self.model, self.optimizer), rng)
 
@@ -279,6 +300,7 @@ class Trainer:
         self.last_val = losses["val"]
         improved = losses["val"] < self.best_val
         self.best_val = min(self.best_val, losses["val"])
+        self.stale = 0 if improved else self.stale + 1
         checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
         self.last_saved = time.perf_counter()
         if self.metrics is None:
@@ -320,6 +342,10 @@ class Trainer:
     def tokens_per_s(self) -> float:
         return self.tokens_seen / self.train_time if self.train_time else 0.0
 
+    def out_of_patience(self) -> bool:
+        """Whether early stopping is on and the last `patience` evaluations did not improve the best."""
+        return 0 < self.patience <= self.stale
+
     def run(self, stop_at: int | None = None) -> TrainResult:
         """Train until `max_steps` (or `stop_at`), evaluating and saving every `eval_interval` steps."""
         max_steps = self.train_config.max_steps
@@ -329,7 +355,7 @@ class Trainer:
                                              disable=not self.progress, dynamic_ncols=True) as bar:
             if self.step == 0:
                 self.evaluate_and_save()  # the untrained baseline, so the curve starts at step 0
-            while self.step < end and not stopping:
+            while self.step < end and not stopping and not self.out_of_patience():
                 started = time.perf_counter()
                 loss, stopping, save_now = self.train_step(stop.requested, self.save_due())
                 self.train_time += time.perf_counter() - started
@@ -338,6 +364,9 @@ class Trainer:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
                 if self.step % self.train_config.eval_interval == 0 or self.step == end:
                     self.evaluate_and_save()
+                    if self.out_of_patience():
+                        log.info(f"early stop: {self.stale} evaluations without a better validation loss "
+                                 f"(best {self.best_val:.4f}, in {self.run_dir / BEST})")
                 elif save_now and not stopping:
                     self.save_last()
             if stopping:

@@ -41,6 +41,8 @@ class ChatTemplate(abc.ABC):
     """Renders messages as text; `special_tokens` are the marker strings that must be single ids."""
 
     special_tokens: tuple[str, ...] = ()
+    # Text that ends an assistant's turn besides the tokenizer's stop ids (a generation stops at it).
+    end_of_turn: tuple[str, ...] = ()
 
     @abc.abstractmethod
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
@@ -56,6 +58,7 @@ class NativeTemplate(ChatTemplate):
 
     END = "<|end|>"
     special_tokens = ("<|system|>", "<|user|>", "<|assistant|>", END)
+    end_of_turn = (END,)
 
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
         turns = [f"<|{m['role']}|>\n{m['content']}{self.END}\n" for m in messages]
@@ -225,10 +228,10 @@ class ChatSource:
     notes: list[str]
 
 
-def chat_source(path: str | Path) -> ChatSource:
+def chat_source(path: str | Path, conversations: bool = True) -> ChatSource:
     """The tokenizer, chat template and context length of a gptlab run, or of a Hugging Face folder
-    (tokenizer.json, tokenizer_config.json, config.json). Markers a native template needs and the
-    tokenizer lacks are added to it, as fine-tuning would add them (the notes say so)."""
+    (tokenizer.json, tokenizer_config.json, config.json). For `conversations`, markers a native template
+    needs and the tokenizer lacks are added to it, as fine-tuning would add them (the notes say so)."""
     from gptlab.checkpoint import load_header
 
     path = Path(path)
@@ -239,7 +242,7 @@ def chat_source(path: str | Path) -> ChatSource:
         header = load_header(path)
         source = ChatSource(header.load_tokenizer(), template_from_state(header.state),
                             header.model_config.block_size, [])
-    missing = missing_tokens(source.tokenizer, source.template)
+    missing = missing_tokens(source.tokenizer, source.template) if conversations else []
     if missing:
         source.tokenizer = tokenizer_with_tokens(source.tokenizer, missing)
         source.notes.append(f"added {', '.join(missing)} to the tokenizer as new ids, as fine-tuning will")

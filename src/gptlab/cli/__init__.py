@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 
 from gptlab.cli.adapt import add_adapt_commands
+from gptlab.cli.chat import add_chat_command
 from gptlab.cli.common import TqdmHandler
 from gptlab.cli.hf import add_hf_commands
 from gptlab.cli.inspect import add_inspect_commands
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_seq2seq_commands(sub)
     add_serve_command(sub)
     add_adapt_commands(sub)
+    add_chat_command(sub)
     return parser
 
 

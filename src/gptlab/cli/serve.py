@@ -20,7 +20,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ValueError(f"gptlab serve needs the serve extra ({err.name} is missing): "
                          "pip install -e '.[serve]'") from None
-    from gptlab.checkpoint import generation_defaults, load_run
+    from gptlab.adapt.chat import template_from_state
+    from gptlab.checkpoint import generation_defaults, load_header, load_run
     from gptlab.common import resolve_device
     from gptlab.quantize import inference_weights
     from gptlab.serve.guard import default_allowed_hosts, parse_allowed_hosts, read_api_key
@@ -50,8 +51,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     name = Path(args.run).resolve().name
     # An imported model's generation_config.json fills what a request leaves out (max_tokens stays OpenAI's).
     defaults = {k: v for k, v in generation_defaults(args.run).items() if k in SAMPLING_DEFAULTS}
+    template = template_from_state(load_header(args.run).state)
     app = create_app(model, tokenizer, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
-                     allowed_hosts=allowed, defaults=defaults)
+                     allowed_hosts=allowed, defaults=defaults, template=template)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.create_server((args.host, args.port), family=family)  # bound now: --port 0 picks one
     host, port = sock.getsockname()[:2]
@@ -60,6 +62,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
              else "Host " + ", ".join(sorted(allowed)))
     print(f"serving {args.run} as model {name!r} at http://{shown}:{port} (playground at /, OpenAI API "
           f"at /v1{', API key required' if api_key else ''}; answering {hosts}); Ctrl-C stops", flush=True)
+    refusal = app.state.chat.refusal()
+    if refusal is not None:
+        print(f"note: /v1/chat/completions answers 400: {refusal}", flush=True)
     if plan.chosen:
         print(f"--max-batch {plan.max_batch}: the most rows of {plan.max_context} tokens that fit in the "
               f"free memory ({plan.cache_bytes / 1e9:.2f} GB of KV cache at most)", flush=True)
@@ -74,8 +79,9 @@ def add_serve_command(sub: Any) -> None:
     serve = sub.add_parser(
         "serve", help="serve a run over HTTP: OpenAI-compatible API and a browser playground",
         description="Serve a decoder run folder (trained or imported from Hugging Face) with OpenAI's "
-        "completions API (GET /v1/models, POST /v1/completions, streaming included) and a playground "
-        "page at /. Concurrent requests are decoded together in one batch that requests join at "
+        "completions and chat APIs (GET /v1/models, POST /v1/completions, POST /v1/chat/completions with "
+        "the run's chat template, streaming included) and a playground page at / (completion and chat "
+        "modes). Concurrent requests are decoded together in one batch that requests join at "
         "any step. Needs the serve extra: pip install -e '.[serve]'.",
         epilog="example: gptlab serve runs/demo --port 8000; with a key: GPTLAB_API_KEY=... gptlab serve "
         "runs/demo, or --api-key-file key.txt",

@@ -1,9 +1,10 @@
-"""The ASGI application of `gptlab serve`: OpenAI's completions API over the continuous batcher.
+"""The ASGI application of `gptlab serve`: OpenAI's completions and chat APIs over the continuous batcher.
 
-Routes: `GET /` (the playground page), `GET /v1/models`, `POST /v1/completions` (streamed as
-server-sent events, one chunk per token, ending with `data: [DONE]`; usage in a last chunk only with
-`stream_options: {"include_usage": true}`, as OpenAI does) and `POST /v1/attention` (the attention
-weights the playground shows, from `gptlab.inspection`).
+Routes: `GET /` (the playground page), `GET /v1/models`, `POST /v1/completions` and
+`POST /v1/chat/completions` (`chat`: the conversation rendered with the run's chat template), both
+streamed as server-sent events, one chunk per token, ending with `data: [DONE]`; usage in a last chunk
+only with `stream_options: {"include_usage": true}`, as OpenAI does; and `POST /v1/attention` (the
+attention weights the playground shows, from `gptlab.inspection`).
 
 Request bodies are read here rather than by FastAPI, so that every refusal is one of OpenAI's error
 objects with a 4xx status and the field named: a body that is not `Content-Type: application/json` is
@@ -13,7 +14,7 @@ max_tokens together must fit it. With an API key, every /v1 route wants `Authori
 (401 otherwise); the page itself is open, and asks for the key. `guard` checks the Host name and
 turns faults into a generic 500. A full queue is a 429 and a request that waited past its deadline a
 503, both with Retry-After. A client that goes away cancels its rows, running or still queued.
-The request's own work (encoding, queueing, its events as OpenAI's JSON) is in `completion`.
+The request's own work (encoding, queueing, its events as OpenAI's JSON) is in `completion` and `chat`.
 """
 
 from __future__ import annotations
@@ -31,16 +32,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gptlab.adapt.chat import ChatTemplate, NativeTemplate
 from gptlab.inspection.attention_view import attention_maps
 from gptlab.model import GPT
 from gptlab.serve.batching import Scheduler
-from gptlab.serve.completion import Served, start_completion
+from gptlab.serve.chat import ChatServing, chat_text_ids, start_chat
+from gptlab.serve.completion import Completion, Served, start_completion
 from gptlab.serve.guard import LOOPBACK_NAMES, Guard
 from gptlab.serve.page import playground
 from gptlab.serve.schemas import (
     SAMPLING_DEFAULTS,
     APIError,
     AttentionRequest,
+    ChatRequest,
     CompletionRequest,
     Limits,
     parse,
@@ -54,11 +58,12 @@ MAX_BODY = 1 << 20  # bytes: a larger body is a 413
 def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | None = None,
                max_batch: int = 64, limits: Limits | None = None,
                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES,
-               defaults: Mapping[str, Any] | None = None) -> FastAPI:
+               defaults: Mapping[str, Any] | None = None, template: ChatTemplate | None = None) -> FastAPI:
     """The server's ASGI app for one model; its decode thread runs while the app's lifespan does.
 
     `allowed_hosts`: the Host names it answers to (None: any); `defaults`: sampling values (temperature,
-    top_p, top_k) for the fields a request does not set, such as an imported model's generation_config."""
+    top_p, top_k) for the fields a request does not set, such as an imported model's generation_config;
+    `template`: the run's chat template (`adapt.chat.template_from_state`; default the native one)."""
     if not model.config.causal:
         raise ValueError("gptlab serve needs a causal model: causal=False is only for demonstrations")
     limits = limits or Limits()
@@ -72,6 +77,7 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
                           max_waiting=limits.max_waiting, prefill_chunk=limits.prefill_chunk)
     served = Served(model, tokenizer, name, scheduler, api_key, limits, max_choices=2 * max_batch,
                     created=int(time.time()), defaults=dict(defaults or {}))
+    chat = ChatServing.of(template or NativeTemplate(), tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,13 +87,14 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
 
     # No /docs pages: they load scripts from a CDN, and nothing this server shows may fetch anything.
     app = FastAPI(title=f"gptlab: {name}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.served = served
+    app.state.served, app.state.chat = served, chat
     app.add_middleware(Guard, allowed=allowed_hosts)  # inside Starlette's own fault handler, so it answers
     add_error_handlers(app)
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> HTMLResponse:
-        return HTMLResponse(playground(model.config, name, limits.max_tokens, api_key is not None))
+        return HTMLResponse(playground(model.config, name, limits.max_tokens, api_key is not None,
+                                       chat.refusal()))
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -105,22 +112,33 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
         authorize(request, served)
         body = with_defaults(parse(CompletionRequest, await read_json(request)), served.defaults)
         check_model(body.model, served)
-        job = start_completion(body, served)
-        if body.stream:
-            first = await job.first_event(request)  # a refusal while queued is still a real status
-            if first is None:  # the client left while its request waited: nobody reads this
-                return JSONResponse({}, status_code=499)
-            return StreamingResponse(job.stream(first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await job.collect(request))
+        return await respond(start_completion(body, served), body.stream, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        authorize(request, served)
+        body = with_defaults(parse(ChatRequest, await read_json(request)), served.defaults)
+        check_model(body.model, served)
+        return await respond(start_chat(body, served, chat), body.stream, request)
 
     @app.post("/v1/attention")
     async def attention(request: Request) -> dict[str, Any]:
         authorize(request, served)
         body = parse(AttentionRequest, await read_json(request))
-        return await attention_row(body, served)
+        return await attention_row(body, served, chat)
 
     return app
+
+
+async def respond(job: Completion, stream: bool, request: Request) -> JSONResponse | StreamingResponse:
+    """A queued request's answer: its server-sent events, or its whole JSON once every choice ended."""
+    if stream:
+        first = await job.first_event(request)  # a refusal while queued is still a real status
+        if first is None:  # the client left while its request waited: nobody reads this
+            return JSONResponse({}, status_code=499)
+        return StreamingResponse(job.stream(first), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await job.collect(request))
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -194,11 +212,16 @@ async def read_json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {err}", None, "invalid_json") from None
 
 
-async def attention_row(body: AttentionRequest, served: Served) -> dict[str, Any]:
+async def attention_row(body: AttentionRequest, served: Served, chat: ChatServing) -> dict[str, Any]:
     """Where the last token of `body.text` (its last block_size tokens) attends in one layer and head;
-    `bytes` gives each token's own bytes, so a page can join the pieces of one character."""
+    `bytes` gives each token's own bytes, so a page can join the pieces of one character. With
+    `body.messages`, the text follows the conversation rendered as the chat route renders it."""
+    text = body.text
     try:
-        ids = served.tokenizer.encode(body.text)
+        if body.messages is None:
+            ids = served.tokenizer.encode(text)
+        else:
+            text, ids = chat_text_ids(chat, served, body.messages, body.text)
     except ValueError as err:
         raise APIError(400, f"text: {err}", "text", "unencodable_prompt") from None
     window = ids[-served.model.config.block_size:]
@@ -206,7 +229,7 @@ async def attention_row(body: AttentionRequest, served: Served) -> dict[str, Any
         raise APIError(400, "text encodes to no tokens: give a non-empty text", "text", "empty_prompt")
 
     def compute() -> Any:
-        return attention_maps(served.model, served.tokenizer, body.text, window, body.layer, body.head)
+        return attention_maps(served.model, served.tokenizer, text, window, body.layer, body.head)
 
     try:
         maps = await asyncio.wrap_future(served.scheduler.call(compute))  # between two decode steps

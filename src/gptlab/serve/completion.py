@@ -13,17 +13,19 @@ import json
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi import Request
-
+from gptlab.config import SamplingConfig
 from gptlab.model import GPT
 from gptlab.sampling import sampler
 from gptlab.serve.batching import Event, QueueFull, Row, Scheduler, Ticket
-from gptlab.serve.schemas import APIError, CompletionRequest, Limits, sampling_config
+from gptlab.serve.schemas import APIError, CompletionRequest, Limits, SamplingRequest, sampling_config
 from gptlab.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from fastapi import Request
 
 # gptlab's stop reasons, OpenAI's names: a row cut by its deadline ends as one cut by max_tokens.
 FINISH_REASONS = {"eot": "stop", "stop": "stop", "length": "length", "deadline": "length"}
@@ -50,14 +52,19 @@ class Served:
 
 
 def encode_prompt(text: str, served: Served, param: str, max_tokens: int) -> list[int]:
-    """The token ids of a prompt, or a 400 when the tokenizer cannot encode it or it does not fit.
-
-    With max_context below block_size the prompt and max_tokens must fit together; at block_size a
-    completion may run past the window, which slides as in `generate`."""
+    """The token ids of a prompt, or a 400 when the tokenizer cannot encode it or it does not fit."""
     try:
         ids = served.tokenizer.encode(text)
     except ValueError as err:
         raise APIError(400, f"{param}: {err}", param, "unencodable_prompt") from None
+    return check_prompt(ids, served, param, max_tokens)
+
+
+def check_prompt(ids: list[int], served: Served, param: str, max_tokens: int) -> list[int]:
+    """The ids of a prompt, or a 400 when they are none or do not fit.
+
+    With max_context below block_size the prompt and max_tokens must fit together; at block_size a
+    completion may run past the window, which slides as in `generate`."""
     window, context = served.model.config.block_size, served.max_context
     if not ids:
         raise APIError(400, f"{param} encodes to no tokens: give a non-empty prompt", param, "empty_prompt")
@@ -74,28 +81,38 @@ def encode_prompt(text: str, served: Served, param: str, max_tokens: int) -> lis
 def start_completion(body: CompletionRequest, served: Served) -> Completion:
     """Validate every choice, then queue them all on the decode thread (nothing is queued on a 400)."""
     prompts = body.prompts
-    if len(prompts) * body.n > served.max_choices:
-        raise APIError(400, f"{len(prompts)} prompt(s) x n={body.n} is more than the {served.max_choices} "
-                       "choices one request may ask for", "n", "too_many_choices")
+    check_choices(len(prompts) * body.n, served)
     sampling = sampling_config(body, body.seed, served.limits)
     encoded = [encode_prompt(p, served, "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]",
-                             body.max_tokens) for i, p in enumerate(prompts)]
+                             sampling.max_new_tokens) for i, p in enumerate(prompts)]
     job = Completion(body, served, prompts, sum(map(len, encoded)))
+    queue_rows(job, encoded, sampling)
+    return job
+
+
+def check_choices(choices: int, served: Served) -> None:
+    if choices > served.max_choices:
+        raise APIError(400, f"{choices} choices (prompts x n) are more than the {served.max_choices} one "
+                       "request may ask for", "n", "too_many_choices")
+
+
+def queue_rows(job: Completion, encoded: Sequence[list[int]], sampling: SamplingConfig) -> None:
+    """Queue n rows per prompt on the decode thread, all or none (a full queue is a 429)."""
+    body, served = job.body, job.served
     device = next(served.model.parameters()).device
     deadline = time.monotonic() + served.limits.request_timeout
     rows = []
-    for index in range(len(prompts) * body.n):
+    for index in range(len(encoded) * body.n):
         # Choice i is seeded with seed + i, so a request with one choice is `generate` with its seed.
         seed = secrets.randbits(63) if body.seed is None else (body.seed + index) % 2**63
         choice = sampling.replace(seed=seed)
         rows.append(Row(index, list(encoded[index // body.n]), choice, sampler(choice, device),
-                        body.logprobs, job.emit, job.ticket, deadline=deadline))
+                        body.logprobs_count(), job.emit, job.ticket, deadline=deadline))
     try:
         served.scheduler.submit(rows)
     except QueueFull as full:
         raise APIError(429, "the server's queue is full: retry later", None, "queue_full", "rate_limit_error",
                        retry_after=full.retry_after) from None
-    return job
 
 
 def token_text(piece: bytes) -> str:
@@ -109,14 +126,19 @@ def token_text(piece: bytes) -> str:
 
 class Completion:
     """One request's choices as they decode: their events arrive on an asyncio queue from the decode
-    thread, and become OpenAI's JSON, streamed or at the end."""
+    thread, and become OpenAI's JSON, streamed or at the end.
 
-    def __init__(self, body: CompletionRequest, served: Served, prompts: list[str],
+    The JSON is the completions API's; `serve.chat.ChatCompletion` overrides the few methods that shape it
+    (`choice`, `whole_choice`, `envelope`, `opening`, `empty_logprobs`) and shares the rest."""
+
+    ID_PREFIX = "cmpl"
+
+    def __init__(self, body: SamplingRequest, served: Served, prompts: list[str],
                  prompt_tokens: int) -> None:
         self.body, self.served, self.prompts = body, served, prompts
         self.choices = len(prompts) * body.n
         self.prompt_tokens = prompt_tokens
-        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.ticket = Ticket()
         self.loop = asyncio.get_running_loop()
@@ -169,7 +191,7 @@ class Completion:
         finally:
             self.ticket.cancel()  # a no-op for rows that ended; frees the slots of the others
 
-    def choice(self, event: Event) -> dict[str, Any]:
+    def choice(self, event: Event) -> dict[str, Any] | None:
         """One event as an OpenAI choice (a stream chunk's, or a part of a whole completion's)."""
         logprobs = None
         if event.logprob is not None:
@@ -182,7 +204,21 @@ class Completion:
         return {"text": event.text, "index": event.index, "logprobs": logprobs,
                 "finish_reason": FINISH_REASONS.get(event.finish_reason or "")}
 
-    def envelope(self, choices: list[dict[str, Any]], completion_tokens: int | None = None) -> dict[str, Any]:
+    def whole_choice(self, index: int, text: str, logprobs: dict[str, list], reason: str | None) -> dict:
+        """A choice of the whole completion, from its text, its gathered logprobs and how it ended."""
+        wanted = self.body.logprobs_count() is not None
+        return {"text": text, "index": index, "logprobs": logprobs if wanted else None,
+                "finish_reason": reason}
+
+    def empty_logprobs(self) -> dict[str, list]:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The chunks a stream starts with before any token (none here; chat's name the role)."""
+        return []
+
+    def envelope(self, choices: list[dict[str, Any]], completion_tokens: int | None = None,
+                 streamed: bool = False) -> dict[str, Any]:
         reply: dict[str, Any] = {"id": self.id, "object": "text_completion", "created": self.created,
                                  "model": self.served.name, "choices": choices}
         if completion_tokens is not None:
@@ -195,39 +231,43 @@ class Completion:
 
         As OpenAI: with include_usage every chunk carries "usage": null and a last one, with no choices,
         the usage; without it no chunk mentions usage."""
-        completion_tokens, ready = 0, []
+        completion_tokens = 0
+        ready = [sse({**chunk, "usage": None} if self.usage else chunk) for chunk in self.opening()]
         try:
             async for event in self.events_until_done(first):
                 completion_tokens += event.completion_tokens
-                chunk = self.envelope([self.choice(event)])
-                ready.append(sse({**chunk, "usage": None} if self.usage else chunk))
+                part = self.choice(event)
+                if part is not None:
+                    chunk = self.envelope([part], streamed=True)
+                    ready.append(sse({**chunk, "usage": None} if self.usage else chunk))
                 if self.events.empty():  # one write for the chunks that arrived together
                     yield "".join(ready)
                     ready = []
         except APIError as err:  # the status is sent already: report in the stream, as OpenAI does
             yield sse(err.body())
             return
-        usage = sse(self.envelope([], completion_tokens)) if self.usage else ""
+        usage = sse(self.envelope([], completion_tokens, streamed=True)) if self.usage else ""
         yield "".join(ready) + usage + "data: [DONE]\n\n"
 
     async def collect(self, request: Request) -> dict[str, Any]:
         """The whole completion; a client that disconnects first cancels its rows."""
         watcher = asyncio.create_task(self.watch(request))
-        texts, logprobs = [""] * self.choices, [empty_logprobs() for _ in range(self.choices)]
+        texts, logprobs = [""] * self.choices, [self.empty_logprobs() for _ in range(self.choices)]
         reasons: list[str | None] = [None] * self.choices
         completion_tokens = 0
         try:
             async for event in self.events_until_done():
+                completion_tokens += event.completion_tokens
                 part = self.choice(event)
+                if part is None:
+                    continue
                 texts[event.index] += event.text
                 reasons[event.index] = part["finish_reason"] or reasons[event.index]
-                completion_tokens += event.completion_tokens
                 for key, values in (part["logprobs"] or {}).items():
                     logprobs[event.index][key] += values
         finally:
             watcher.cancel()
-        choices = [{"text": texts[i], "index": i, "logprobs": logprobs[i] if self.body.logprobs is not None
-                    else None, "finish_reason": reasons[i]} for i in range(self.choices)]
+        choices = [self.whole_choice(i, texts[i], logprobs[i], reasons[i]) for i in range(self.choices)]
         return self.envelope(choices, completion_tokens)
 
 
@@ -236,10 +276,6 @@ def failure(event: Event) -> APIError:
     status = event.status
     return APIError(status, event.error or "decoding failed", None, "decoding_failed", "server_error",
                     retry_after=BUSY_RETRY if status == 503 else None)
-
-
-def empty_logprobs() -> dict[str, list]:
-    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
 
 def finite(logprob: float) -> float:

@@ -1,10 +1,11 @@
 """The playground page served at `/`: one self-contained HTML response (inline style and script, no fetches
 but the server's own API), built from the package data files in `static/`.
 
-The page itself (static/playground.html, .css, .js) streams `/v1/completions` with the five likeliest
-tokens, shades every token by its probability, and on a click lists the alternatives and asks
-`/v1/attention` where the query that chose the token attends; playground.js's header says how its parts
-are meant to be reused. This file only fills in the per-server values, each escaped for where it goes.
+The page itself (static/playground.html, .css, .js) has two modes: completion streams `/v1/completions`,
+chat keeps a conversation and streams `/v1/chat/completions`; both ask for the five likeliest tokens,
+shade every token by its probability, and on a click list the alternatives and ask `/v1/attention`
+where the query that chose the token attends (in chat, over the rendered conversation). This file only
+fills in the per-server values, each escaped for where it goes.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from importlib.resources import files
 from gptlab.config import ModelConfig
 
 
-def playground(config: ModelConfig, name: str, max_tokens: int, needs_key: bool) -> str:
-    """The page for a model of this shape; `needs_key` shows the API-key field."""
+def playground(config: ModelConfig, name: str, max_tokens: int, needs_key: bool,
+               chat_refusal: str | None = None) -> str:
+    """The page for a model of this shape; `needs_key` shows the API-key field; `chat_refusal` says why
+    the chat mode is off (None: it is on)."""
     info = {"name": name, "n_layer": config.n_layer, "n_head": config.n_head,
             "block_size": config.block_size, "max_tokens": max_tokens}
+    note = "" if chat_refusal is None else html.escape(f"chat is off: {chat_refusal}")
     slots = {"NAME": html.escape(name), "HIDE_KEY": "" if needs_key else "hidden", "INFO": script_json(info),
+             "CHAT_NOTE": note,
              "STYLE": static_text("playground.css", "</style"),
              "SCRIPT": static_text("playground.js", "</script")}
     pattern = "__(" + "|".join(slots) + ")__"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -24,6 +24,7 @@ from gptlab.config import SamplingConfig
 
 MAX_LOGPROBS = 20  # OpenAI allows 5; more is an extension
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # the fields a model's own defaults may fill
+UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's names of union members
 
 
 @dataclass(frozen=True)
@@ -73,56 +74,150 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with usage (and "usage": null on every other chunk)
 
 
-class CompletionRequest(BaseModel):
-    """The body of POST /v1/completions (OpenAI's legacy completions API, plus top_k)."""
+class SamplingRequest(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share: the model, sampling and the stream."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str | list[str]
     model: str | None = None  # None: the model this server serves
-    max_tokens: int = 16  # OpenAI's default
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None  # an extension: OpenAI has no top-k
     stop: str | list[str] | None = None
     n: int = 1
     seed: int | None = None
-    logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     @property
+    def token_limit(self) -> tuple[int | None, str]:
+        """The most tokens asked for (None: the server's limit) and the field that asked."""
+        raise NotImplementedError
+
+    def logprobs_count(self) -> int | None:
+        """How many likeliest tokens each generated token lists (None: no logprobs at all)."""
+        raise NotImplementedError
+
+    def refusals(self) -> list[tuple[str, bool, str]]:
+        """(param, refused, message) for the values of this request's own fields that gptlab refuses."""
+        return []
+
+
+class CompletionRequest(SamplingRequest):
+    """The body of POST /v1/completions (OpenAI's legacy completions API, plus top_k)."""
+
+    prompt: str | list[str]
+    max_tokens: int = 16  # OpenAI's default
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @property
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        return self.max_tokens, "max_tokens"
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+    def refusals(self) -> list[tuple[str, bool, str]]:
+        return [
+            ("echo", self.echo, "echo is not supported: the completion never repeats the prompt"),
+            ("suffix", self.suffix is not None, "suffix (insertion) is not supported"),
+            ("best_of", self.best_of not in (None, 1, self.n), "best_of must equal n"),
+            ("logprobs", self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs={self.logprobs} must be in 0..{MAX_LOGPROBS}"),
+            ("prompt", not self.prompts, "prompt must hold at least one string"),
+        ]
+
+
+class TextPart(BaseModel):
+    """A part of a message's content given as a list: only text parts (no images, no audio)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation, as OpenAI's chat API sends it (its content a string or text parts)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None  # accepted, as OpenAI does; no gptlab template shows it
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(SamplingRequest):
+    """The body of POST /v1/chat/completions (OpenAI's chat completions API, plus top_k)."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # OpenAI's older name for max_completion_tokens
+    max_completion_tokens: int | None = None  # None: until the end of the turn, within the server's limit
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def token_limit(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def logprobs_count(self) -> int | None:
+        """top_logprobs as a row's `logprobs`: how many alternatives, or None without logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def refusals(self) -> list[tuple[str, bool, str]]:
+        both = None not in (self.max_tokens, self.max_completion_tokens)
+        return [
+            ("messages", not self.messages, "messages must hold at least one message"),
+            ("max_completion_tokens", both and self.max_tokens != self.max_completion_tokens,
+             f"max_tokens={self.max_tokens} and max_completion_tokens={self.max_completion_tokens} differ: "
+             "give one of them"),
+            ("top_logprobs", self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS,
+             f"top_logprobs={self.top_logprobs} must be in 0..{MAX_LOGPROBS}"),
+            ("top_logprobs", self.top_logprobs is not None and not self.logprobs,
+             "top_logprobs needs logprobs: true"),
+        ]
+
 
 class AttentionRequest(BaseModel):
-    """The body of POST /v1/attention: where the last token of `text` attends, in one layer and head."""
+    """The body of POST /v1/attention: where the last token of `text` attends, in one layer and head.
+
+    With `messages`, `text` continues the conversation as the chat route renders it (a reply so far)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     text: str
     layer: int = 0
     head: int = 0
+    messages: list[ChatMessage] | None = None
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
-    """`model` built from decoded JSON, or a 400 APIError naming the first bad field."""
+    """`model` built from decoded JSON, or a 400 APIError naming the first bad field (`messages[1].role`)."""
     try:
         return model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
-        param = str(first["loc"][0]) if first["loc"] else None
+        param = field_path(first["loc"]) or None
         if first["type"] == "extra_forbidden":
-            raise APIError(400, f"unknown field {param!r}: {model.__name__} has no such field",
-                           param, "unknown_field") from None
+            owner = f": {model.__name__} has no such field" if len(first["loc"]) == 1 else ""
+            raise APIError(400, f"unknown field {param!r}{owner}", param, "unknown_field") from None
         if first["type"] == "missing":
             raise APIError(400, f"{param} is required", param, "missing_field") from None
         shown = repr(first.get("input"))[:80]
@@ -130,18 +225,34 @@ def parse(model: type[BaseModel], data: Any) -> Any:
                        param, "invalid_type") from None
 
 
-def with_defaults(request: CompletionRequest, defaults: dict[str, Any]) -> CompletionRequest:
+def field_path(loc: tuple[int | str, ...]) -> str:
+    """A pydantic error location as a reader writes it: ("messages", 1, "role") -> "messages[1].role".
+
+    The names pydantic gives the members of a union ("str", "list[TextPart]") are left out."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in UNION_TAGS:
+            path += f".{part}" if path else part
+    return path
+
+
+def with_defaults(request: SamplingRequest, defaults: dict[str, Any]) -> Any:
     """The request with a model's own sampling defaults in the fields it did not set itself."""
     unset = {k: v for k, v in defaults.items() if k not in request.model_fields_set}
     return request.model_copy(update=unset) if unset else request
 
 
-def sampling_config(request: CompletionRequest, seed: int | None, limits: Limits) -> SamplingConfig:
-    """The request's SamplingConfig for one choice; SamplingConfig's own checks become 400s."""
+def sampling_config(request: SamplingRequest, seed: int | None, limits: Limits) -> SamplingConfig:
+    """The request's SamplingConfig for one choice; SamplingConfig's own checks become 400s. A request
+    that sets no token limit (a chat turn) gets the server's largest."""
     refuse_unsupported(request)
-    if request.max_tokens > limits.max_tokens:
-        raise APIError(400, f"max_tokens={request.max_tokens} is more than this server allows "
-                       f"({limits.max_tokens}); ask for fewer", "max_tokens", "max_tokens_too_large")
+    max_tokens, field = request.token_limit
+    max_tokens = limits.max_tokens if max_tokens is None else max_tokens
+    if max_tokens > limits.max_tokens:
+        raise APIError(400, f"{field}={max_tokens} is more than this server allows "
+                       f"({limits.max_tokens}); ask for fewer", field, "max_tokens_too_large")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stop) > limits.max_stops:
         raise APIError(400, f"stop has {len(stop)} strings; this server allows at most {limits.max_stops}",
@@ -151,31 +262,26 @@ def sampling_config(request: CompletionRequest, seed: int | None, limits: Limits
                        "stop", "stop_too_long")
     try:
         return SamplingConfig(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                              max_new_tokens=request.max_tokens, stop=tuple(stop), seed=seed)
+                              max_new_tokens=max_tokens, stop=tuple(stop), seed=seed)
     except ValueError as err:
-        field = re.match(r"SamplingConfig\.(\w+)", str(err))
-        param = {"max_new_tokens": "max_tokens"}.get(field.group(1), field.group(1)) if field else None
-        message = str(err).replace("SamplingConfig.max_new_tokens", "max_tokens")
+        found = re.match(r"SamplingConfig\.(\w+)", str(err))
+        param = {"max_new_tokens": field}.get(found.group(1), found.group(1)) if found else None
+        message = str(err).replace("SamplingConfig.max_new_tokens", field)
         raise APIError(400, message.replace("SamplingConfig.", ""), param, "invalid_value") from None
 
 
-def refuse_unsupported(request: CompletionRequest) -> None:
+def refuse_unsupported(request: SamplingRequest) -> None:
     """A 400 for OpenAI options set to something gptlab does not do."""
     checks = [
-        ("echo", request.echo, "echo is not supported: the completion never repeats the prompt"),
-        ("suffix", request.suffix is not None, "suffix (insertion) is not supported"),
         ("presence_penalty", request.presence_penalty != 0, "presence_penalty must be 0"),
         ("frequency_penalty", request.frequency_penalty != 0, "frequency_penalty must be 0"),
         ("logit_bias", bool(request.logit_bias), "logit_bias is not supported"),
-        ("best_of", request.best_of not in (None, 1, request.n), "best_of must equal n"),
         ("n", request.n < 1, f"n={request.n} must be at least 1"),
         ("seed", request.seed is not None and not 0 <= request.seed < 2**63,
          f"seed={request.seed} must be in [0, 2**63)"),
-        ("logprobs", request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS,
-         f"logprobs={request.logprobs} must be in 0..{MAX_LOGPROBS}"),
-        ("prompt", not request.prompts, "prompt must hold at least one string"),
         ("stream_options", request.stream_options is not None and not request.stream,
          "stream_options is only allowed when stream is true"),
+        *request.refusals(),
     ]
     for param, bad, message in checks:
         if bad:

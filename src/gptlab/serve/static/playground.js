@@ -2,8 +2,9 @@
 // The playground's script, inlined into the page by gptlab/serve/page.py (the page fetches nothing but
 // the server's own API). It is built from parts any mode of the page can reuse: a streamed request
 // (postEvents), a transcript of shaded tokens (Transcript), and the details of the token a reader clicks
-// (select: its alternatives and where the model was looking). The completion mode at the end wires them
-// to the prompt box; a token, whatever mode made it, is {label, bytes, p, top: [[label, p], ...]}.
+// (select: its alternatives and where the model was looking). The two modes at the end wire them up:
+// completion to the prompt box, chat to a conversation; a token, whatever mode made it, is
+// {label, bytes, p, top: [[label, p], ...]}.
 
 const INFO = JSON.parse(document.getElementById("info").textContent);
 const $ = (id) => document.getElementById(id);
@@ -82,9 +83,12 @@ function shade(p) {  // the less likely, the stronger the orange
 }
 
 class Transcript {
-  constructor(box, prefix) {  // prefix: the text before the first token, that the model read
+  // prefix: the text before the first token, that the model read; in chat, messages: the conversation
+  // the server renders with its template before that text
+  constructor(box, prefix, messages = null) {
     this.box = box;
     this.prefix = prefix;
+    this.messages = messages;
     this.tokens = [];
   }
 
@@ -164,9 +168,9 @@ function showAlternatives(token) {
 async function showAttention() {
   if (!selection) return;
   const asked = selection, layer = Number($("layer").value), head = Number($("head").value);
-  const text = asked.transcript.contextBefore(asked.i);
-  const res = await fetch("/v1/attention", {method: "POST", headers: headers(),
-                                            body: JSON.stringify({text, layer, head})});
+  const body = {text: asked.transcript.contextBefore(asked.i), layer, head};
+  if (asked.transcript.messages) body.messages = asked.transcript.messages;
+  const res = await fetch("/v1/attention", {method: "POST", headers: headers(), body: JSON.stringify(body)});
   const reply = await res.json();
   if (asked !== selection || layer !== Number($("layer").value) || head !== Number($("head").value)) return;
   const box = $("attention");
@@ -190,17 +194,48 @@ async function showAttention() {
     " in layer " + layer + ", head " + head + ":";
 }
 
-// The completion mode: the prompt box, streamed through /v1/completions with the five likeliest tokens.
+// What both modes send: the sampling controls.
 
-function completionRequest() {
-  const body = {prompt: $("prompt").value, max_tokens: Number($("max-tokens").value),
-                temperature: Number($("temperature").value), top_p: Number($("top-p").value),
-                logprobs: 5, stream: true};
+function samplingFields() {
+  const body = {max_tokens: Number($("max-tokens").value), temperature: Number($("temperature").value),
+                top_p: Number($("top-p").value), stream: true};
   if ($("top-k").value !== "") body.top_k = Number($("top-k").value);
   if ($("seed").value !== "") body.seed = Number($("seed").value);
   if ($("stop").value !== "") body.stop = [$("stop").value.replace(/\\n/g, "\n").replace(/\\t/g, "\t")];
   return body;
 }
+
+async function run(path, body, transcript, readChunk, box) {  // a streamed generation into a transcript
+  box.dataset.state = "streaming";
+  $("status").textContent = "generating\u2026";
+  $("generate").disabled = true;
+  const got = {text: "", finish: null, usage: null};
+  let failure = null;
+  try {
+    failure = await postEvents(path, body, (chunk) => {
+      for (const choice of chunk.choices) {
+        readChunk(choice, got);
+        if (choice.finish_reason) got.finish = choice.finish_reason;
+      }
+      if (chunk.usage) got.usage = chunk.usage;
+    });
+    if (!failure) {
+      transcript.show(true);
+      transcript.trimTo(got.text);
+    }
+  } catch (err) {
+    failure = String(err);
+  } finally {
+    $("generate").disabled = false;
+    box.dataset.state = failure ? "error" : "done";
+    $("status").textContent = failure ? "error: " + failure :
+      (got.usage ? got.usage.completion_tokens : transcript.tokens.length) + " tokens, finish_reason " +
+      got.finish;
+  }
+  return failure ? null : got.text;
+}
+
+// The completion mode: the prompt box, streamed through /v1/completions with the five likeliest tokens.
 
 function completionToken(logprobs) {  // a token from a /v1/completions chunk's logprobs
   const label = logprobs.tokens[0];
@@ -208,40 +243,78 @@ function completionToken(logprobs) {  // a token from a /v1/completions chunk's 
   return {label, bytes: pieceBytes(label), p: Math.exp(logprobs.token_logprobs[0]), top};
 }
 
-async function generate() {
-  const body = completionRequest(), output = $("output");
+async function complete() {
+  const body = {...samplingFields(), prompt: $("prompt").value, logprobs: 5}, output = $("output");
   clearDetails();
   output.textContent = "";
-  output.dataset.state = "streaming";
   const promptSpan = document.createElement("span");
   promptSpan.className = "prompt";
   promptSpan.textContent = body.prompt;
   output.appendChild(promptSpan);
   const transcript = new Transcript(output, body.prompt);
-  $("status").textContent = "generating\u2026";
-  $("generate").disabled = true;
-  let text = "", finish = null, usage = null, failure = null;
-  try {
-    failure = await postEvents("/v1/completions", body, (chunk) => {
-      for (const choice of chunk.choices) {
-        text += choice.text;
-        if (choice.logprobs) transcript.add(completionToken(choice.logprobs));
-        if (choice.finish_reason) finish = choice.finish_reason;
-      }
-      if (chunk.usage) usage = chunk.usage;
-    });
-    if (!failure) {
-      transcript.show(true);
-      transcript.trimTo(text);
-    }
-  } catch (err) {
-    failure = String(err);
-  } finally {
-    $("generate").disabled = false;
-    output.dataset.state = failure ? "error" : "done";
-    $("status").textContent = failure ? "error: " + failure :
-      (usage ? usage.completion_tokens : transcript.tokens.length) + " tokens, finish_reason " + finish;
-  }
+  await run("/v1/completions", body, transcript, (choice, got) => {
+    got.text += choice.text;
+    if (choice.logprobs) transcript.add(completionToken(choice.logprobs));
+  }, output);
+}
+
+// The chat mode: a conversation, each reply streamed through /v1/chat/completions and shown as a
+// transcript of its own; the server renders the conversation with the model's chat template.
+
+let conversation = [];  // the user and assistant messages so far (the system message is read each time)
+
+function chatToken(entry) {  // a token from a /v1/chat/completions chunk's logprobs.content
+  const top = entry.top_logprobs.map((t) => [t.token, Math.exp(t.logprob)]);
+  return {label: entry.token, bytes: entry.bytes, p: Math.exp(entry.logprob), top};
+}
+
+function turn(role, text) {
+  const div = document.createElement("div");
+  div.className = "turn " + role;
+  div.dataset.role = role;
+  div.textContent = text;
+  $("chat-log").appendChild(div);
+  return div;
+}
+
+async function send() {
+  const message = {role: "user", content: $("message").value};
+  const system = $("system").value ? [{role: "system", content: $("system").value}] : [];
+  const messages = [...system, ...conversation, message];
+  const body = {...samplingFields(), messages, logprobs: true, top_logprobs: 5};
+  clearDetails();
+  turn("user", message.content);
+  const reply = turn("assistant", "");
+  const transcript = new Transcript(reply, "", messages);
+  const text = await run("/v1/chat/completions", body, transcript, (choice, got) => {
+    if (choice.delta.content) got.text += choice.delta.content;
+    for (const entry of (choice.logprobs && choice.logprobs.content) || []) transcript.add(chatToken(entry));
+  }, $("chat-log"));
+  if (text === null) return;  // the status line says why; the conversation stays as it was
+  conversation.push(message, {role: "assistant", content: text});
+  $("message").value = "";
+}
+
+function resetChat() {
+  conversation = [];
+  clearDetails();
+  $("chat-log").textContent = "";
+  $("chat-log").dataset.state = "empty";
+  $("status").textContent = "";
+}
+
+function mode() {
+  return $("mode-chat").checked ? "chat" : "completion";
+}
+
+function showMode() {
+  const chat = mode() === "chat";
+  $("completion-panel").hidden = chat;
+  $("output").hidden = chat;
+  $("chat-panel").hidden = !chat;
+  $("reset").hidden = !chat;
+  $("generate").textContent = chat ? "Send" : "Generate";
+  clearDetails();
 }
 
 for (const [id, count] of [["layer", INFO.n_layer], ["head", INFO.n_head]]) {
@@ -249,7 +322,12 @@ for (const [id, count] of [["layer", INFO.n_layer], ["head", INFO.n_head]]) {
   $(id).addEventListener("change", showAttention);
 }
 $("max-tokens").max = INFO.max_tokens;
-$("generate").addEventListener("click", generate);
-$("prompt").addEventListener("keydown", (e) => {
-  if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) generate();
-});
+$("mode-chat").disabled = $("chat-note").textContent !== "";  // the server says why chat is off
+for (const id of ["mode-completion", "mode-chat"]) $(id).addEventListener("change", showMode);
+$("generate").addEventListener("click", () => (mode() === "chat" ? send() : complete()));
+$("reset").addEventListener("click", resetChat);
+for (const [id, action] of [["prompt", complete], ["message", send]]) {
+  $(id).addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) action();
+  });
+}

@@ -1,0 +1,271 @@
+"""Supervised fine-tuning (issue 25, point 1): train a run, or LoRA adapters on it, on JSONL examples.
+
+`SFTData` is the training loop's data source (train.TrainingData) for examples from `sft.load_examples`:
+a deterministic validation split, batches of whole examples padded on the right, targets -1 where nothing
+is trained. The loop itself is train.Trainer, so progress, evaluation, best/last checkpoints, Ctrl-C and
+--resume behave as in `gptlab train`.
+
+What a fine-tuned run records in its checkpoint state, beside the training counters:
+    "sft"            the data file (absolute), its SHA-256, and the options that shape the data
+    "base"           the base run's checkpoint file
+    "chat_template"  the template its examples were rendered with (so chat and serve render the same)
+    "generation"     the base's sampling defaults, when it had any (an import's generation_config.json)
+    "lora"           with --lora: the LoraConfig and the base file; the checkpoint then holds only the
+                     adapter tensors, and `Checkpoint.build_model` puts them on the base (checkpoint.ADAPTER)
+`merge_run` folds the adapters into the weights and writes a normal run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gptlab import distributed
+from gptlab.adapt.chat import ChatTemplate, add_chat_tokens, missing_tokens, template_from_state
+from gptlab.adapt.lora import LoraConfig, add_lora, merge_lora, trainable_parameters
+from gptlab.adapt.sft import LOSS_ON, TOO_LONG, Example, collate, load_examples, read_records
+from gptlab.checkpoint import (
+    ADAPTER,
+    BEST,
+    LAST,
+    Checkpoint,
+    architecture,
+    load_checkpoint,
+    model_tensors,
+    require_architecture,
+    resolve_checkpoint,
+    save_checkpoint,
+)
+from gptlab.common import seed_everything
+from gptlab.config import Config, TrainConfig, check_choice, flag, option
+from gptlab.presets import config_layers
+from gptlab.tokenizer import Tokenizer
+from gptlab.train import (
+    Trainer,
+    TrainResult,
+    change,
+    check_resumable,
+    extended,
+    refuse_changes,
+    resume_changes,
+    run_folder,
+    write_run_config,
+)
+
+# Training settings of a fine-tuning run where the user gives none: shorter and gentler than pre-training.
+DEFAULTS = dict(batch_size=8, max_steps=300, lr=3e-4, warmup_steps=20, eval_interval=50, eval_batches=4)
+LORA_LR = 1e-3  # adapters start at zero and are few: they take a larger step than full fine-tuning
+KEPT = ("base", "chat_template", "generation", ADAPTER)  # the state keys a run keeps (module docstring)
+
+
+@dataclass
+class SFTConfig(Config):
+    """The options that decide which examples a fine-tuning run sees; --resume must repeat them."""
+
+    data: str = option("", "the JSONL file of examples")
+    loss_on: str = option("completion", "completion: train completions and assistant turns only; all: "
+                          "every token", LOSS_ON)
+    too_long: str = option("skip", "an example longer than the context is skipped or cut to fit", TOO_LONG)
+    val_fraction: float = option(0.1, "share of the examples held out for validation (at least one)")
+    patience: int = option(0, "stop after this many evaluations without a better validation loss (0: off)")
+
+    def validate(self) -> None:
+        owner = "SFTConfig"
+        check_choice(owner, "loss_on", self.loss_on, LOSS_ON)
+        check_choice(owner, "too_long", self.too_long, TOO_LONG)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"{owner}.val_fraction={self.val_fraction} must be between 0 and 1")
+        if self.patience < 0:
+            raise ValueError(f"{owner}.patience={self.patience} must not be negative")
+
+
+def file_digest(path: str | Path) -> str:
+    """The SHA-256 of a file, so that a resumed run can tell its data was changed."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def split_examples(examples: list[Example], val_fraction: float) -> tuple[list[Example], list[Example]]:
+    """Train and validation examples: a fixed shuffle (the same for every run of the same file) holds out
+    round(val_fraction * n) examples, at least one; each part keeps the file's order."""
+    if len(examples) < 2:
+        raise ValueError(f"{len(examples)} usable example(s): fine-tuning needs at least 2 (one is held "
+                         "out for validation)")
+    held = max(1, min(len(examples) - 1, round(val_fraction * len(examples))))
+    val = set(random.Random(0).sample(range(len(examples)), held))
+    kept = [e for i, e in enumerate(examples) if i not in val]
+    return kept, [e for i, e in enumerate(examples) if i in val]
+
+
+class SFTData:
+    """Fine-tuning examples as the training loop's data source (train.TrainingData)."""
+
+    metric_names = ("val_token_accuracy",)
+
+    def __init__(self, config: SFTConfig, tokenizer: Tokenizer, template: ChatTemplate, block_size: int,
+                 record: dict[str, Any]) -> None:
+        """`record`: the run's state keys beyond the data (KEPT), saved with every checkpoint."""
+        self.config, self.tokenizer, self.record = config, tokenizer, record
+        self.digest = file_digest(config.data)
+        loaded = load_examples(config.data, tokenizer, template, block_size, config.loss_on, config.too_long)
+        self.summary = loaded.summary()
+        train, val = split_examples(loaded.examples, config.val_fraction)
+        self.splits = {"train": train, "val": val}
+
+    def check_window(self, block_size: int) -> None:
+        """Nothing to check: `load_examples` already kept every example within block_size + 1 tokens."""
+
+    def get_batch(self, split: str, batch_size: int, block_size: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs (B, T) and targets (B, T) of `batch_size` examples drawn with replacement, T the longest."""
+        pool = self.splits[split]
+        picks = torch.randint(len(pool), (batch_size,), generator=generator)
+        return collate([pool[i] for i in picks.tolist()])
+
+    def state(self) -> dict[str, Any]:
+        """The data options and the file's digest, with the run's record (module docstring)."""
+        return {"sft": {**self.config.to_dict(), "sha256": self.digest}, **self.record}
+
+    @torch.no_grad()
+    def metrics(self, model: nn.Module, losses: dict[str, float], seed: int,
+                device: torch.device) -> dict[str, float]:
+        """The share of trained validation tokens the model predicts exactly (argmax), over every
+        validation example: a figure that reaches 1 when the answers are learned."""
+        right = total = 0
+        val = self.splits["val"]
+        for start in range(0, len(val), 16):
+            inputs, targets = (t.to(device) for t in collate(val[start:start + 16]))  # (B, T) each
+            logits, _ = model(inputs)  # (B, T, V)
+            scored = targets != -1
+            right += int((logits.argmax(-1) == targets)[scored].sum())
+            total += int(scored.sum())
+        return {"val_token_accuracy": right / total}
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting and resuming a fine-tuning run
+
+
+def base_checkpoint(base: str | Path) -> Checkpoint:
+    """The base run's checkpoint (its best), refusing what cannot be fine-tuned here."""
+    path = Path(base)
+    if (path / "config.json").is_file() and not (path / BEST).is_file() and not (path / LAST).is_file() \
+            and (path / "tokenizer.json").is_file():
+        raise ValueError(f"{base} is a Hugging Face folder: import it first (gptlab import-hf {base} RUN), "
+                         "then fine-tune RUN")
+    start = load_checkpoint(path)
+    require_architecture(architecture(start.model_config), base, "decoder")
+    if ADAPTER in start.state:
+        raise ValueError(f"{base} holds LoRA adapters (a finetune --lora run): merge them first "
+                         f"(gptlab merge {base} --out MERGED), then fine-tune MERGED")
+    return start
+
+
+def prepare_model(start: Checkpoint, data_path: str | Path, lora: LoraConfig | None,
+                  seed: int) -> tuple[nn.Module, Tokenizer, ChatTemplate, list[str]]:
+    """The base model ready to fine-tune (chat markers added when the data needs them, adapters on with
+    `lora`), its tokenizer, the chat template and notes for the user."""
+    model, tokenizer = start.build_model(), start.load_tokenizer()
+    template = template_from_state(start.state)
+    notes = []
+    shape, _ = read_records(data_path)
+    if shape == "messages" and missing_tokens(tokenizer, template):
+        if lora is not None:
+            raise ValueError(f"the chat template's markers {', '.join(missing_tokens(tokenizer, template))} "
+                             "are not in the base's vocabulary, and --lora keeps the embedding frozen: "
+                             "fine-tune without --lora, or use prompt/completion examples")
+        missing = missing_tokens(tokenizer, template)
+        model, tokenizer = add_chat_tokens(model, tokenizer, template)
+        notes.append(f"added {', '.join(missing)} to the tokenizer as new ids, their embedding rows the "
+                     "mean of the others")
+    if lora is not None:
+        seed_everything(seed)  # the adapters' A matrices are drawn from this seed
+        add_lora(model, lora)
+        notes.append(f"LoRA r={lora.r}: {trainable_parameters(model):,} of "
+                     f"{sum(p.numel() for p in model.parameters()):,} parameters train")
+    return model, tokenizer, template, notes
+
+
+def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config: TrainConfig,
+             lora: LoraConfig | None = None, stop_at: int | None = None,
+             progress: bool = True) -> tuple[TrainResult, SFTData, list[str]]:
+    """Fine-tune the run `base` on `config.data` into the new run `out` (with LoRA adapters if `lora`):
+    the result, the data source (its summary says what was kept) and notes for the user."""
+    out, start = Path(out), base_checkpoint(base)
+    config = config.replace(data=str(Path(config.data).resolve()))
+    model, tokenizer, template, notes = prepare_model(start, config.data, lora, train_config.seed)
+    base_file = str(resolve_checkpoint(base).resolve())
+    record = {"base": base_file, "chat_template": template.to_dict(),
+              **{key: start.state[key] for key in ("generation",) if key in start.state}}
+    if lora is not None:
+        record[ADAPTER] = {"base": base_file, "config": lora.to_dict()}
+    data = SFTData(config, tokenizer, template, model.config.block_size, record)
+    with run_folder(out, new=True), distributed.session(train_config.device) as (dist, device):
+        if dist.is_main:
+            write_run_config(out, model.config, train_config, data)
+        trainer = Trainer(out, data, model.config, train_config, dist, device, progress=progress,
+                          model=model, patience=config.patience)
+        return trainer.run(stop_at), data, notes
+
+
+def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_overrides: dict[str, Any],
+                    lora: LoraConfig | None = None, stop_at: int | None = None,
+                    progress: bool = True) -> tuple[TrainResult, SFTData, list[str]]:
+    """Continue the fine-tuning run `out` exactly; the arguments must repeat those that started it (only
+    train.RESUMABLE fields may change), and its data file must be unchanged."""
+    out = Path(out)
+    with run_folder(out, new=False):
+        checkpoint = load_checkpoint(out, prefer=LAST)
+        check_resumable(checkpoint, out)
+        state = checkpoint.state
+        if "sft" not in state:
+            raise ValueError(f"{out} is not a fine-tuning run: continue it with gptlab train --resume")
+        saved = SFTConfig.from_dict({k: v for k, v in state["sft"].items() if k != "sha256"})
+        config = config.replace(data=str(Path(config.data).resolve()))
+        refused = [change(flag(name), name, old, getattr(config, name))
+                   for name, old in saved.to_dict().items() if getattr(config, name) != old]
+        if str(resolve_checkpoint(base).resolve()) != state["base"]:
+            refused.append(change("BASE", "base", state["base"], base))
+        saved_lora = state[ADAPTER]["config"] if ADAPTER in state else None
+        if (lora.to_dict() if lora else None) != saved_lora:
+            refused.append(change("--lora", "lora", saved_lora, lora.to_dict() if lora else None))
+        changes, train_refused = resume_changes(checkpoint, config_layers(train_overrides=train_overrides))
+        refuse_changes(refused + train_refused)
+        if file_digest(saved.data) != state["sft"]["sha256"]:
+            raise ValueError(f"{saved.data} has changed since the run started (its SHA-256 differs): put "
+                             "back the file it was trained on, or start a new run")
+        train_config = extended(checkpoint, changes)
+        record = {key: state[key] for key in KEPT if key in state}
+        data = SFTData(saved, checkpoint.load_tokenizer(), template_from_state(state),
+                       checkpoint.model_config.block_size, record)
+        model = checkpoint.build_model() if ADAPTER in state else None  # the base with the saved adapters
+        with distributed.session(train_config.device) as (dist, device):
+            if train_config != checkpoint.train_config and dist.is_main:
+                write_run_config(out, checkpoint.model_config, train_config, data)
+            trainer = Trainer(out, data, checkpoint.model_config, train_config, dist, device, checkpoint,
+                              progress, model=model, patience=saved.patience)
+            return trainer.run(stop_at), data, []
+
+
+def merge_run(run: str | Path, out: str | Path) -> Path:
+    """Fold an adapter run's LoRA adapters into its base's weights and write them as the new run `out`
+    (best.safetensors, with the run's tokenizer, chat template and sampling defaults); its path."""
+    checkpoint, out = load_checkpoint(run), Path(out)
+    if ADAPTER not in checkpoint.state:
+        raise ValueError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): there is "
+                         "nothing to merge")
+    model = merge_lora(checkpoint.build_model())
+    state = {key: checkpoint.state[key] for key in ("chat_template", "generation") if key in checkpoint.state}
+    with run_folder(out, new=True):
+        save_checkpoint(out / BEST, Checkpoint(model.config, checkpoint.tokenizer, model_tensors(model),
+                                               state=state))
+    return out
