@@ -24,7 +24,6 @@ import concurrent.futures
 import multiprocessing
 import os
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +31,7 @@ from typing import Any
 import torch
 
 from gptlab.adapt.lora import LoraConfig, add_lora, trainable_parameters
+from gptlab.common import cpu_name
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
 from gptlab.optim import adamw
@@ -90,13 +90,6 @@ def measure(shape_name: str, lora: bool) -> dict[str, float]:
     return {"trainable": trainable_parameters(model), "total": model.num_parameters(),
             "best_ms": 1000 * min(times), "median_ms": 1000 * statistics.median(times),
             "built": built, "peak": resident_bytes("VmHWM"), "optimizer": state}
-
-
-def cpu_name() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:

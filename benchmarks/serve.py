@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import string
 import subprocess
@@ -35,6 +34,7 @@ import httpx
 import torch
 
 from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
+from gptlab.common import cpu_name
 from gptlab.config import ModelConfig
 from gptlab.model import GPT
 from gptlab.presets import PRESETS
@@ -121,15 +121,6 @@ def row(clients: int, mode: str, results: list[Result], wall: float, speedup: st
     return (f"| {clients} | {mode} | {len(results) / wall:.2f} | {tokens / wall:,.0f} | {speedup} | "
             f"{statistics.median(first):,.0f} | {p95(first):,.0f} | {statistics.median(latency):,.0f} | "
             f"{p95(latency):,.0f} |")
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        names = (line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        return next(names)
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def load_average() -> str:

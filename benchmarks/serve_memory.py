@@ -33,6 +33,7 @@ import httpx
 import torch
 
 from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
+from gptlab.common import cpu_name
 from gptlab.config import ModelConfig
 from gptlab.model import GPT
 from gptlab.tokenizer import CharTokenizer
@@ -124,13 +125,6 @@ def measure(label: str, run: Path, src: Path, layers: int, max_batch: int | None
     gb = 1e9
     return (f"| {label} | {layers} | {started['VmRSS'] / gb:.2f} | {max(largest) / gb:.2f} | "
             f"{after['VmHWM'] / gb:.2f} | {seconds:.1f} |")
-
-
-def cpu_name() -> str:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-        if line.startswith("Model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:

@@ -4,7 +4,9 @@ whether progress bars are shown."""
 from __future__ import annotations
 
 import contextlib
+import platform
 import random
+import subprocess
 import sys
 import time
 
@@ -39,6 +41,16 @@ def on_terminal() -> bool:
     """Whether stdout and stderr are both terminals: a progress bar redraws in place there, but becomes
     thousands of lines in a log file, a pipe or CI's output, where one line per evaluation is printed."""
     return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def cpu_name() -> str:
+    """The processor's model name (lscpu's "Model name"), for benchmark tables: figures name their CPU."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        names = (line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+        return next(names)
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def cpu_has_bf16_matmul() -> bool:
