@@ -43,6 +43,7 @@ def test_attention_maps_are_the_models_weights_and_predictions(trained_run: Path
         attention_maps(model, tokenizer, PROMPT, ids, head=2)
 
 
+@pytest.mark.slow
 def test_attention_png_grid_and_single_map_are_valid_images(trained_run: Path, tmp_path: Path) -> None:
     from matplotlib.image import imread
 

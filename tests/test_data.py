@@ -441,6 +441,7 @@ def test_cache_dir_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_
     assert cache_dir() == tmp_path / ".cache" / "gptlab"
 
 
+@pytest.mark.slow
 def test_python_stdlib_corpus_loads() -> None:
     text = load_text("python-stdlib")
     assert len(text) > 1_000_000 and "def " in text and "import " in text

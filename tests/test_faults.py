@@ -276,6 +276,7 @@ def test_kill_9_between_evaluations_loses_at_most_save_every(data_dir: Path, tmp
     assert load_checkpoint(run, prefer=LAST).state["step"] >= max(saved)  # whole, and no older than seen
 
 
+@pytest.mark.slow
 def test_temporary_files_of_a_killed_save_are_removed(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(run, data_dir, MODEL, TRAIN, stop_at=3, progress=False)

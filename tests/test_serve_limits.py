@@ -66,6 +66,7 @@ def test_queued_clients_that_leave_never_start_and_a_full_queue_is_a_429(one_row
     assert scheduler.admitted == admitted  # neither queued request ever got the slot
 
 
+@pytest.mark.slow
 def test_the_deadline_ends_running_rows_and_refuses_queued_ones(one_row: Live) -> None:
     served, scheduler = one_row.served, one_row.served.scheduler
     limits = served.limits
