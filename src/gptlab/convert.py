@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import save_file
 
 from gptlab.checkpoint import (
+    ADAPTER,
     BEST,
     Checkpoint,
     architecture,
@@ -72,6 +73,7 @@ from gptlab.model import GPT
 from gptlab.tokenizer import EOT, ImportedTokenizer, tokenizer_from_dict
 
 PREFIX, HEAD = "transformer.", "lm_head.weight"
+ADAPTER_DIR = "adapter"  # where export-hf puts an adapter run's PEFT adapter, inside the exported base
 BLOCK_TENSORS = (
     "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
     "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
@@ -414,18 +416,51 @@ def _new_folder(out_dir: str | Path) -> Path:
     return out_dir
 
 
-def export_hf(run: str | Path, out_dir: str | Path) -> Conversion:
+def export_hf(run: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Conversion:
     """Write a run's best checkpoint as a folder that `transformers` loads: GPT2LMHeadModel, or
     LlamaForCausalLM / Qwen2ForCausalLM for a Llama-shaped model (`export_family`).
 
-    With a bpe, gpt2 or hf tokenizer the folder also holds tokenizer files for `AutoTokenizer`.
-    Everything is computed before the first file is written.
+    With a bpe, gpt2 or hf tokenizer the folder also holds tokenizer files for `AutoTokenizer`. An adapter
+    run (`gptlab finetune --lora`) adds its PEFT adapter (`export_adapter_run`); `adapter_only` writes
+    that adapter alone. Everything is computed before the first file is written.
     """
+    checkpoint = load_checkpoint(run)
+    require_architecture(architecture(checkpoint.model_config), run, "decoder")  # both are decoder-only
+    if ADAPTER in checkpoint.state:
+        return export_adapter_run(checkpoint, out_dir, adapter_only)
+    if adapter_only:
+        raise ValueError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): export it "
+                         "without --adapter-only")
+    return export_checkpoint(checkpoint, out_dir)
+
+
+def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only: bool = False) -> Conversion:
+    """An adapter run as its base model in OUT (export_checkpoint) and its adapters as a PEFT adapter in
+    OUT/adapter, a folder of its own: transformers would apply an adapter it found beside config.json.
+    With `adapter_only`, the adapter alone in OUT, for a base exported before."""
+    from gptlab.adapt.lora import LoraConfig, export_peft_adapter, is_lora_tensor, peft_adapter
+
+    model = checkpoint.build_model()  # the base run's model with the adapters on it (checkpoint.ADAPTER)
+    lora = LoraConfig.from_dict(checkpoint.state[ADAPTER]["config"])
+    peft_adapter(model, lora, None)  # refuses an adapter PEFT cannot hold before anything is written
+    out_dir = _new_folder(out_dir)
+    if adapter_only:
+        written = export_peft_adapter(model, lora, out_dir)
+        base = checkpoint.state[ADAPTER]["base"]
+        note = f"load it onto its base exported on its own: gptlab export-hf {base} HF_DIR"
+        return Conversion(out_dir, written.files, [note])
+    tensors = {name: t for name, t in model_tensors(model).items() if not is_lora_tensor(name)}
+    exported = export_checkpoint(replace(checkpoint, model_state=tensors), out_dir)
+    adapter = export_peft_adapter(model, lora, out_dir / ADAPTER_DIR, str(out_dir.resolve()))
+    return Conversion(out_dir, [*exported.files, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)],
+                      exported.notes)
+
+
+def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path) -> Conversion:
+    """Write one decoder checkpoint's weights, config and tokenizer as a Hugging Face folder (export_hf)."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    checkpoint = load_checkpoint(run)
     config = checkpoint.model_config
-    require_architecture(architecture(config), run, "decoder")  # both families are decoder-only
     family = export_family(config)
     out_dir = _new_folder(out_dir)
     tokenizer_json = hf_tokenizer_json(checkpoint.tokenizer)

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     """Write a run as a Hugging Face GPT-2, Llama or Qwen2 folder."""
+    from gptlab.adapt.lora import ADAPTER_CONFIG
     from gptlab.convert import export_hf
 
-    result = export_hf(args.run, args.out_dir)
-    loader = f"transformers.AutoModelForCausalLM.from_pretrained({str(result.out_dir)!r})"
+    result = export_hf(args.run, args.out_dir, adapter_only=args.adapter_only)
+    adapter = next(((result.out_dir / name).parent for name in result.files
+                    if Path(name).name == ADAPTER_CONFIG), None)
+    base = "HF_DIR" if adapter == result.out_dir else repr(str(result.out_dir))  # HF_DIR: exported apart
+    loader = f"transformers.AutoModelForCausalLM.from_pretrained({base})"
+    if adapter is not None:  # PEFT puts the adapter on the base model transformers loads
+        loader = f"peft.PeftModel.from_pretrained({loader}, {str(adapter)!r})"
     report_conversion(result, f"load it with {loader}")
     return 0
 
@@ -43,10 +50,16 @@ def add_hf_commands(sub: Any) -> None:
         "(learned positions, layernorm, gelu or gelu_exact, pre-norm, tied head; biases a model leaves out "
         "are written as zeros) export as GPT2LMHeadModel; "
         "Llama-shaped ones (rope, rmsnorm, swiglu, pre-norm, no biases, any n_kv_head, tied or not) as "
-        "LlamaForCausalLM, or Qwen2ForCausalLM with --qkv-bias.",
+        "LlamaForCausalLM, or Qwen2ForCausalLM with --qkv-bias. A LoRA run (gptlab finetune --lora) writes "
+        "its base model so, and its adapters as a PEFT adapter in OUT_DIR/adapter (adapter_config.json, "
+        "adapter_model.safetensors), which peft.PeftModel.from_pretrained(base, OUT_DIR/adapter) puts on "
+        "the base with the run's logits.",
     )
     ex.add_argument("run", help="run folder or checkpoint file")
     ex.add_argument("out_dir", help="new or empty folder to write")
+    ex.add_argument("--adapter-only", action="store_true",
+                    help="for a LoRA run: write only its PEFT adapter into OUT_DIR, for a base exported "
+                    "apart (gptlab export-hf BASE_RUN)")
     ex.set_defaults(func=cmd_export_hf)
 
     im = sub.add_parser(

@@ -117,18 +117,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from gptlab.checks import failed
     from gptlab.common import resolve_device
     from gptlab.inspection.verify import verify_model
+    from gptlab.inspection.verify_finetune import measured_model, verify_finetuned
     from gptlab.inspection.verify_seq2seq import verify_seq2seq
 
-    # Only the weights: the checks use random token ids, so a run needs no working tokenizer here.
+    # The handout's checks use random token ids; only a fine-tuned run's data checks read its tokenizer.
     checkpoint = load_checkpoint(args.run)
     model = checkpoint.build_model().to(resolve_device(args.device)).eval()
     if architecture(checkpoint.model_config) == "encoder-decoder":
         properties = verify_seq2seq(model, seed=args.seed)
-    elif args.dtype == "float32":
-        properties = verify_model(model, seed=args.seed)
-    else:  # the properties on the reduced-precision model, and its logits against float32
-        reduced = copy.deepcopy(model).to(getattr(torch, args.dtype))
-        properties = verify_model(reduced, seed=args.seed, reference=model)
+    else:
+        measured = measured_model(model)  # an adapter run's merged copy
+        if measured is not model:
+            print("note: an adapter run: the handout's properties are measured on its merged weights")
+        if args.dtype == "float32":
+            properties = verify_model(measured, seed=args.seed)
+        else:  # the properties on the reduced-precision model, and its logits against float32
+            reduced = copy.deepcopy(measured).to(getattr(torch, args.dtype))
+            properties = verify_model(reduced, seed=args.seed, reference=measured)
+        properties += verify_finetuned(checkpoint, model, seed=args.seed)  # float32, whatever --dtype says
     width = max(len(p.name) for p in properties)
     print(f"{'result':<6} {'section':<7} {'property':<{width}} {'deviation':>10} {'tolerance':>10}  note")
     for p in properties:
@@ -327,7 +333,11 @@ def add_inspect_commands(sub: Any) -> None:
                  "properties on the model and print each one's measured deviation: attention rows sum to "
                  "one (§3.2); logits at i ignore every later input, exactly (§7.3); cached = uncached "
                  "generation (§7.1); fused = separate projections (§4.2); a tied head is one tensor (§6); "
-                 "without positions, permutation equivariance of the unmasked stack (§6.1). On a seq2seq "
+                 "without positions, permutation equivariance of the unmasked stack (§6.1). On a run from "
+                 "gptlab finetune: merged = unmerged logits and adapters off = the base run's logits "
+                 "exactly (--lora runs, whose handout properties are measured merged), each example's loss "
+                 "mask checked by bytes on the run's own data file, and its conversations rendered again "
+                 "with the run's chat template giving the ids trained on. On a seq2seq "
                  "run: rows (cross-attention too), padding ignored exactly, decoder causality, every "
                  "target position reading every source token, cached = recomputed decoding, tying. Exits "
                  "1 if any fails.", prompt=False)
