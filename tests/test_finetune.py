@@ -192,6 +192,14 @@ def test_lora_run_saves_only_adapters_and_loads_as_the_adapted_model(tmp_path: P
     with torch.no_grad():
         merged_logits = merged.build_model().eval()(idx)[0]
     assert_close(merged_logits, tuned, rtol=1e-5, atol=1e-5)  # float32 sums in another order
+    # and the same greedy answer, adapted or merged, through `gptlab sample` as a user runs it
+    answers = []
+    for run in ("lora", "merged"):
+        capsys.readouterr()
+        assert main(["sample", str(tmp_path / run), "--prompt", "abc=", "--temperature", "0",
+                     "--max-new-tokens", "12", "--json"]) == 0
+        answers.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert answers[0] == answers[1] and len(answers[0]) > 0
     capsys.readouterr()
     assert main(["merge", str(base), "--out", str(tmp_path / "again")]) == 2
     assert "holds no LoRA adapters" in capsys.readouterr().err
