@@ -128,6 +128,7 @@ def bpe() -> BPETokenizer:
     return BPETokenizer.train("the cat sat on the mat.\nHello there, how are you?\n" * 30, 300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_added_tokens_are_single_ids_and_old_logits_stay(bpe: BPETokenizer, tied: bool) -> None:
     torch.manual_seed(0)

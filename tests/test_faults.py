@@ -85,6 +85,7 @@ def long_run(data_dir: Path, run: Path, *extra: str) -> subprocess.Popen:
 # 1. One writer per run folder
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_folder_and_the_holder(data_dir: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(run, data_dir, MODEL, TRAIN, progress=False)
@@ -198,6 +199,7 @@ def test_resume_with_more_steps_extends_a_finished_run_exactly(data_dir: Path, t
 # 4. A moved run, and a run whose data moved
 
 
+@pytest.mark.slow
 def test_a_renamed_run_with_its_own_data_resumes_and_evaluates(text_file: Path, tmp_path: Path,
                                                                capsys: pytest.CaptureFixture) -> None:
     train(tmp_path / "run", text_file, MODEL, TRAIN, stop_at=3, progress=False)  # data in RUN/data
@@ -208,6 +210,7 @@ def test_a_renamed_run_with_its_own_data_resumes_and_evaluates(text_file: Path, 
     assert "val split: loss" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_run_whose_data_moved_says_so_and_takes_the_new_place(data_dir: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture) -> None:
     data = tmp_path / "data"
@@ -233,6 +236,7 @@ class Killed(BaseException):
     out (gptlab saves on the way out only for KeyboardInterrupt, SIGINT and SIGTERM)."""
 
 
+@pytest.mark.slow
 def test_a_crash_between_evaluations_resumes_exactly_from_the_time_based_save(
         data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = MODEL.replace(dropout=0.1)  # so the saved random state matters

@@ -164,6 +164,7 @@ def test_bad_data_is_one_line_and_leaves_no_run(tmp_path: Path, capsys: pytest.C
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_lora_run_saves_only_adapters_and_loads_as_the_adapted_model(tmp_path: Path, one_thread: None,
                                                                        capsys: pytest.CaptureFixture[str],
                                                                        ) -> None:

@@ -362,6 +362,7 @@ def test_a_batch_stops_when_every_row_has_ended(random_model: RandomModel) -> No
         assert set(row[end + 1 :]) <= {eot}  # a row that ended keeps yielding the end-of-text token
 
 
+@pytest.mark.slow
 def test_a_padded_model_vocabulary_is_never_sampled(random_model: RandomModel) -> None:
     """A byte tokenizer (256 ids) on a model of 300: at temperature 2 the 44 padded ids would come up
     many times in 200 tokens; generate and stream_text never choose one."""

@@ -36,6 +36,7 @@ def test_every_check_passes(check: lab.Section) -> None:
     assert not failed, "\n".join(failed)
 
 
+@pytest.mark.slow
 def test_run_lab_passes_and_covers_every_section() -> None:
     results = lab.run_lab()
     failed = [_describe(r) for r in results if not r.passed]

@@ -103,6 +103,7 @@ CASES = [("the cat", dict(temperature=0.0, max_tokens=50)),
          ("t", dict(temperature=1.3, seed=2, max_tokens=70, stop="."))]
 
 
+@pytest.mark.slow
 def test_concurrent_requests_join_the_batch_and_get_their_tokens_alone(live: Live) -> None:
     scheduler = live.served.scheduler
     steps, largest = scheduler.steps, scheduler.largest_batch
@@ -232,6 +233,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_requests_are_4xx_openai_errors_naming_the_field(live: Live) -> None:
     for body, status, param in BAD:
         reply = raw_post(live.url, body)

@@ -49,6 +49,7 @@ def test_only_json_bodies_are_read_so_a_cross_site_simple_post_is_refused(live: 
     assert "access-control-allow-origin" not in preflight.headers
 
 
+@pytest.mark.slow
 def test_a_foreign_host_name_is_refused_on_loopback(live: Live) -> None:
     port = live.url.rsplit(":", 1)[1]
     for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "localhost.", ""):
