@@ -165,6 +165,21 @@ def test_bad_data_is_one_line_and_leaves_no_run(tmp_path: Path, capsys: pytest.C
 
 
 @pytest.mark.slow
+def test_the_same_command_twice_just_works_and_a_changed_one_is_refused(
+        tmp_path: Path, one_thread: None, capsys: pytest.CaptureFixture[str]) -> None:
+    base, data = make_base(tmp_path), write_task(tmp_path / "task.jsonl", n=10)
+    command = ["finetune", str(base), "--data", str(data), "--out", str(tmp_path / "run"), "--max-steps", "2",
+               "--eval-interval", "2", "--no-progress"]
+    assert main(command) == 0
+    first = load_checkpoint(tmp_path / "run", prefer=LAST).model_state
+    assert main(command) == 0  # repeating continues the finished run: nothing changes
+    assert "already holds a fine-tuning run" in capsys.readouterr().out
+    again = load_checkpoint(tmp_path / "run", prefer=LAST).model_state
+    assert all(torch.equal(tensor, again[name]) for name, tensor in first.items())
+    assert main([*command, "--lr", "0.5"]) == 2
+    assert "would change it" in capsys.readouterr().err
+
+@pytest.mark.slow
 def test_lora_run_saves_only_adapters_and_loads_as_the_adapted_model(tmp_path: Path, one_thread: None,
                                                                        capsys: pytest.CaptureFixture[str],
                                                                        ) -> None:

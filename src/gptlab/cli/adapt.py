@@ -64,12 +64,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune a run on JSONL examples (or continue doing so), then report the run."""
     from gptlab import distributed
     from gptlab.adapt.finetune import DEFAULTS, LORA_LR, SFTConfig, finetune, resume_finetune
+    from gptlab.checkpoint import LAST
     from gptlab.config import TrainConfig
 
     sft = SFTConfig(**config_overrides(args, SFTConfig))  # --data among them
     lora, train_overrides = lora_config(args), config_overrides(args, TrainConfig)
     progress = not args.no_progress
-    if args.resume:
+    repeated = not args.resume and (Path(args.out) / LAST).is_file()
+    if repeated:  # the same command again continues its run; one that would change it is refused by name
+        print(f"note: {args.out} already holds a fine-tuning run: continuing it, as --resume would")
+    if args.resume or repeated:
         result, data, notes = resume_finetune(args.base, args.out, sft, train_overrides, lora, args.stop_at,
                                               progress)
     else:
