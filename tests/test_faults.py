@@ -31,7 +31,7 @@ from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data import prepare
 from gptlab.files import RunLock, atomic_write_text
 from gptlab.optim import learning_rate
-from gptlab.train import Trainer, resume, train
+from gptlab.train import StepResult, Trainer, resume, train
 
 MODEL = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
 TRAIN = TrainConfig(batch_size=4, max_steps=6, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_interval=3,
@@ -243,7 +243,7 @@ def test_a_crash_between_evaluations_resumes_exactly_from_the_time_based_save(
     often = TRAIN.replace(max_steps=8, eval_interval=100, save_every=1e-9)  # evaluations at 0 and 8 only
     step = Trainer.train_step
 
-    def crash_before_step_7(trainer: Trainer, *args: bool) -> tuple[float, bool, bool]:
+    def crash_before_step_7(trainer: Trainer, *args: bool) -> StepResult:
         if trainer.step == 6:
             raise Killed
         return step(trainer, *args)

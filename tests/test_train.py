@@ -357,7 +357,12 @@ def test_the_same_command_with_resume_continues_and_a_different_value_is_refused
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and named in err and "would change it" in err, err
         assert (run / LAST).read_bytes() == before
-    assert main([*command, "--resume"]) == 0
+    assert main([*command, "--lr", "0.1"]) == 2  # without --resume, a changed value is refused as well
+    assert "--lr (lr 0.006 -> 0.1)" in capsys.readouterr().err and (run / LAST).read_bytes() == before
+    assert main(command) == 0  # the same command again, without --resume, continues the run
+    assert "already holds a run: continuing it" in capsys.readouterr().out
     assert load_checkpoint(run, prefer=LAST).state["step"] == 4
+    finished = (run / LAST).read_bytes()
+    assert main([*command, "--resume"]) == 0 and (run / LAST).read_bytes() == finished  # done: nothing moves
     # the library compares values too: the run's own learning rate is no change
     assert resume(run, progress=False, changes={"lr": 0.006, "max_steps": 5}).step == 5

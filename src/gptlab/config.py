@@ -100,9 +100,10 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field carrying its command-line help and allowed values."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None,
+           aliases: tuple[str, ...] = ()) -> Any:
+    """A dataclass field carrying its command-line help, allowed values and other spellings of its option."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 NORMS = ("layernorm", "rmsnorm", "none")
@@ -210,6 +211,7 @@ class ModelConfig(Config):
 PRECISIONS = ("auto", "float32", "bfloat16")
 PARALLEL = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "muon")
+LOGS = ("tensorboard", "wandb")
 
 
 @dataclass
@@ -245,6 +247,11 @@ class TrainConfig(Config):
                                "--history)")
     parallel: str = option("ddp", "under torchrun: ddp replicates the model, fsdp shards weights, "
                            "gradients and optimiser state", PARALLEL)
+    log: tuple[str, ...] = option((), "also send the metrics of every step and evaluation to these: "
+                                  "tensorboard (into RUN/tensorboard), wandb (Weights & Biases, into "
+                                  "RUN/wandb; WANDB_PROJECT, WANDB_MODE=offline apply); steps.csv and "
+                                  "metrics.csv are always written (--log-to is the same option, for "
+                                  "torchrun, which takes --log for its own)", LOGS, aliases=("--log-to",))
 
     def validate(self) -> None:
         owner = "TrainConfig"
@@ -260,6 +267,10 @@ class TrainConfig(Config):
         check_choice(owner, "precision", self.precision, PRECISIONS)
         check_choice(owner, "parallel", self.parallel, PARALLEL)
         check_choice(owner, "optimizer", self.optimizer, OPTIMIZERS)
+        for name in self.log:
+            check_choice(owner, "log", name, LOGS)
+        if len(set(self.log)) < len(self.log):
+            raise ValueError(f"{owner}.log={list(self.log)} names a destination twice: name each once")
         check_positive(owner, muon_lr=self.muon_lr)
         if self.decay_steps is not None:
             check_positive(owner, decay_steps=self.decay_steps)

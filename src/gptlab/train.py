@@ -1,8 +1,9 @@
 """Training with teacher forcing (§7.2): every window scores all its next tokens at once.
 
 AdamW with weight decay on matrices only, linear warm-up then cosine decay, gradient clipping and
-accumulation, bfloat16 autocast where it is faster. A run folder holds `config.json`,
-`metrics.csv`, `loss.png` and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
+accumulation, bfloat16 autocast where it is faster. A run folder holds `config.json`, `metrics.csv`
+(a row per evaluation), `steps.csv` (a row per step), `loss.png`, the dashboards `--log` asks for
+(gptlab.sinks) and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
 the step and every random state, so N steps in one go and N/2 + resume + N/2 give identical weights.
 Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once. A progress
 bar is drawn only on a terminal; elsewhere (a log file, CI) the one line per evaluation is the progress.
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gptlab import distributed
+from gptlab import distributed, sinks
 from gptlab.checkpoint import (
     BEST,
     LAST,
@@ -94,6 +95,22 @@ def data_from_state(state: dict[str, Any], run_dir: Path) -> TrainingData:
 
 class TrainingDiverged(ValueError):
     """The loss became NaN or infinite; the weights of the last checkpoint are kept."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimiser step gives the loop: its loss and gradient norm, and whether to stop or save."""
+
+    loss: float  # the mean over every scored target of the step, on all ranks
+    grad_norm: float  # the global gradient norm before clipping
+    stop: bool
+    save: bool
+
+
+def gradient_norm(model: nn.Module) -> torch.Tensor:
+    """The global L2 norm of the gradients, as clip_grad_norm_ measures it, leaving them as they are."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
 
 
 @dataclass(frozen=True)
@@ -195,6 +212,7 @@ class Trainer:
         if train_config.optimizer == "muon" and train_config.parallel == "fsdp" and dist.world_size > 1:
             raise ValueError("--optimizer muon needs whole weight matrices, which --parallel fsdp shards: "
                              "use --parallel ddp, or --optimizer adamw")
+        sinks.check_installed(train_config.log)  # a missing package stops every rank before any work
         share = train_config.batch_size // dist.world_size
         self.rows = slice(dist.rank * share, (dist.rank + 1) * share)  # this rank's windows
         self.dtype = resolve_precision(train_config.precision, device, config.n_embd)
@@ -219,6 +237,8 @@ class Trainer:
         heads = head_columns(config.n_layer, config.n_head) if train_config.track_heads else ()
         self.metrics = (MetricsLog(run_dir / "metrics.csv", (*data.metric_names, *heads), resume_step)
                         if dist.is_main else None)
+        configs = {"model": config.to_dict(), "train": train_config.to_dict()}
+        self.sinks = sinks.Sinks(run_dir, train_config.log, configs, resume_step) if dist.is_main else None
         log.info(f"{model.num_parameters():,} parameters on {device} in "
                  f"{str(self.dtype).removeprefix('torch.')}, "
                  f"{train_config.batch_size * train_config.grad_accum:,} sequences per step, "
@@ -256,9 +276,10 @@ class Trainer:
         return Checkpoint(self.config, self.data.tokenizer.to_dict(), weights, self.train_config, state,
                           distributed.full_optimizer_state(self.model, self.optimizer), rng)
 
-    def train_step(self, stop_requested: bool, save_due: bool) -> tuple[float, bool, bool]:
-        """One optimiser step over `grad_accum` micro-batches: the mean loss, whether to stop now and
-        whether to save now (decided together on every rank, so that collective saves stay in step)."""
+    def train_step(self, stop_requested: bool, save_due: bool) -> StepResult:
+        """One optimiser step over `grad_accum` micro-batches: the mean loss, the gradient norm, whether to
+        stop now and whether to save now (decided together on every rank, so that collective saves stay
+        in step)."""
         cfg = self.train_config
         set_learning_rate(self.optimizer, self.step, cfg)
         distributed.seed_dropout(cfg.seed, self.dist, self.step)  # ranks but 0 restart their masks' stream
@@ -287,11 +308,26 @@ class Trainer:
                 f"{self.run_dir / LAST} still holds the last good weights: lower --lr (now {cfg.lr}) "
                 "or use --precision float32"
             )
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if cfg.grad_clip > 0:  # it returns the norm it measured before clipping
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        else:
+            norm = gradient_norm(self.model)
+        # Read before the optimiser's work is queued, so the one wait is for the norm alone.
+        grad_norm = (norm.full_tensor() if distributed.is_sharded(norm) else norm).item()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total, stops > 0, saves > 0
+        return StepResult(total, grad_norm, stops > 0, saves > 0)
+
+    def log_step(self, result: StepResult, seconds: float, tokens: int) -> None:
+        """Send the step just taken (`self.step`, counted from 1) to the sinks: `tokens` scored targets in
+        `seconds`. Its learning rate is the one it used, set for step index self.step - 1."""
+        if self.sinks is None:
+            return
+        self.sinks.log(self.step, {
+            "train/loss": result.loss, "train/lr": learning_rate(self.step - 1, self.train_config),
+            "train/grad_norm": result.grad_norm, "train/tokens_per_s": tokens / seconds,
+            "train/elapsed_s": self.train_time,
+        })
 
     def evaluate_and_save(self) -> None:
         """Evaluate, append a metrics row, redraw the plot, and save `last` (and `best` if improved)."""
@@ -317,6 +353,12 @@ class Trainer:
             lr=learning_rate(self.step, self.train_config), tokens_per_s=self.tokens_per_s(),
             elapsed_s=self.train_time,
         )
+        assert self.sinks is not None, "rank 0 holds both"
+        self.sinks.log(self.step, {
+            "eval/train_loss": losses["train"], "eval/val_loss": losses["val"],
+            **{f"eval/{name}": value for name, value in extra.items() if not isinstance(value, str)},
+            **{f"heads/{name}": value for name, value in heads.items()},
+        })
         shown = ", ".join(f"{name.removeprefix('val_').replace('_', ' ')} {value:.4g}"
                           for name, value in extra.items() if value != "")
         log.info(f"step {self.step}/{self.train_config.max_steps}: train loss {losses['train']:.4f}, "
@@ -325,7 +367,8 @@ class Trainer:
         if improved:
             save_checkpoint(self.run_dir / BEST, checkpoint)
         save_checkpoint(self.run_dir / LAST, checkpoint)
-        plot_losses(self.run_dir / "metrics.csv", self.run_dir / "loss.png", title=self.run_dir.name)
+        plot_losses(self.run_dir / "metrics.csv", self.run_dir / "loss.png", title=self.run_dir.name,
+                    steps_csv=self.run_dir / "steps.csv")
 
     def save_last(self) -> None:
         """Save `last` without evaluating: when interrupted, and every `save_every` seconds of training."""
@@ -347,7 +390,15 @@ class Trainer:
         return 0 < self.patience <= self.stale
 
     def run(self, stop_at: int | None = None) -> TrainResult:
-        """Train until `max_steps` (or `stop_at`), evaluating and saving every `eval_interval` steps."""
+        """Train until `max_steps` (or `stop_at`), evaluating and saving every `eval_interval` steps; the
+        sinks are closed however the run ends."""
+        try:
+            return self._run(stop_at)
+        finally:
+            if self.sinks is not None:
+                self.sinks.close()
+
+    def _run(self, stop_at: int | None) -> TrainResult:
         max_steps = self.train_config.max_steps
         end = min(stop_at, max_steps) if stop_at is not None else max_steps
         stopping = False
@@ -356,12 +407,15 @@ class Trainer:
             if self.step == 0:
                 self.evaluate_and_save()  # the untrained baseline, so the curve starts at step 0
             while self.step < end and not stopping and not self.out_of_patience():
-                started = time.perf_counter()
-                loss, stopping, save_now = self.train_step(stop.requested, self.save_due())
-                self.train_time += time.perf_counter() - started
+                started, tokens = time.perf_counter(), self.tokens_seen
+                result = self.train_step(stop.requested, self.save_due())
+                seconds = time.perf_counter() - started
+                self.train_time += seconds
                 self.step += 1
+                stopping, save_now = result.stop, result.save
+                self.log_step(result, seconds, self.tokens_seen - tokens)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
+                bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
                 if self.step % self.train_config.eval_interval == 0 or self.step == end:
                     self.evaluate_and_save()
                     if self.out_of_patience():
@@ -496,8 +550,9 @@ def write_run_config(run_dir: Path, model_config: ModelConfig, train_config: Tra
     atomic_write_text(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
 
 
-# What `resume` may change: how long the run goes on and where it runs, never what it computes.
-RESUMABLE = ("max_steps", "save_every", "device", "compile")
+# What `resume` may change: how long the run goes on, where it runs and where its metrics go, never
+# what it computes.
+RESUMABLE = ("max_steps", "save_every", "device", "compile", "log")
 
 
 def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,

@@ -17,6 +17,7 @@ from types import FrameType
 from gptlab.cli.adapt import add_adapt_commands
 from gptlab.cli.chat import add_chat_command
 from gptlab.cli.common import TqdmHandler
+from gptlab.cli.compare import add_compare_command
 from gptlab.cli.hf import add_hf_commands
 from gptlab.cli.inspect import add_inspect_commands
 from gptlab.cli.seq2seq import add_seq2seq_commands
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_command(sub)
     add_adapt_commands(sub)
     add_chat_command(sub)
+    add_compare_command(sub)
     return parser
 
 

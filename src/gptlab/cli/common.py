@@ -35,23 +35,23 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Confi
     for field in dataclasses.fields(config_cls):
         if field.name in exclude:
             continue
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ())]
         kind = hints[field.name]
         shown = (defaults or {}).get(field.name, field.default)
         help_text = f"{field.metadata.get('help', '')} (default: {shown})"
         if kind is bool:
             group.add_argument(
-                flag, dest=field.name, action=argparse.BooleanOptionalAction,
+                *flags, dest=field.name, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=help_text,
             )
         elif typing.get_origin(kind) is tuple:  # a list of strings: the option may be repeated
-            group.add_argument(flag, dest=field.name, nargs="+", action="extend", metavar="S",
+            group.add_argument(*flags, dest=field.name, nargs="+", action="extend", metavar="S",
                                default=argparse.SUPPRESS, help=help_text)
         else:
             kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)  # X | None -> X
             choices = field.metadata.get("choices")
             group.add_argument(
-                flag, dest=field.name, type=kind, choices=choices,
+                *flags, dest=field.name, type=kind, choices=choices,
                 metavar="{" + ",".join(choices) + "}" if choices else kind.__name__.upper(),
                 default=argparse.SUPPRESS, help=help_text,
             )
@@ -79,16 +79,18 @@ def report_run(result: Any, out: Path, evaluation: str | None = None) -> None:
           f"{result.elapsed_s:.0f} s of training")
     print(evaluation or f"best validation loss {result.best_val_loss:.4f} (estimated during training on "
           "sampled batches of the val split)")
-    print(f"run folder: {out} (best.safetensors, last.safetensors, metrics.csv, loss.png)")
+    kept = ["best.safetensors", "last.safetensors", "metrics.csv", "steps.csv", "loss.png",
+            *(f"{name}/" for name in ("tensorboard", "wandb") if (out / name).is_dir())]  # --log's
+    print(f"run folder: {out} ({', '.join(kept)})")
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """--resume and --stop-at, shared by the training commands."""
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from last.safetensors, exactly as it was saved. Only "
-                        "--max-steps, --save-every, --device, --compile (and --data for a moved run) may be "
-                        "given: a larger --max-steps extends a finished run, keeping the learning-rate "
-                        "schedule of its first max_steps and holding min_lr after it")
+                        "--max-steps, --save-every, --device, --compile, --log (and --data for a moved run) "
+                        "may be given: a larger --max-steps extends a finished run, keeping the "
+                        "learning-rate schedule of its first max_steps and holding min_lr after it")
     parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop (and save) at this step, keeping "
                         "the schedule of the full run; resume later with --resume")
 

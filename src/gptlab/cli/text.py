@@ -82,9 +82,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gptlab.presets import resolve_configs
     from gptlab.train import resume, train
 
+    from gptlab.checkpoint import LAST
+
     out = Path(args.out)
     is_main = distributed.this_process().is_main
-    if args.resume:
+    repeated = not args.resume and (out / LAST).is_file()  # the same command again continues its run
+    if repeated and is_main:
+        print(f"note: {out} already holds a run: continuing it, as --resume would")
+    if args.resume or repeated:
         changes, data = resume_options(args, out)
         result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder",
                         changes=changes, data=data)
@@ -291,7 +296,6 @@ def add_model_commands(sub: Any) -> None:
 def add_data_commands(sub: Any) -> None:
     """The prepare / train / eval / sample commands."""
     from gptlab.data import CORPORA
-    from gptlab.presets import PRESETS
     from gptlab.tokenizer import TOKENIZERS
 
     source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
@@ -313,23 +317,17 @@ def add_data_commands(sub: Any) -> None:
         "train", help="train a model (the main job)",
         description="Train a GPT on a corpus with teacher forcing. Settings are layered: defaults, "
         "then --preset, then --config FILE.toml ([model] and [train] tables), then options below. "
-        "The run folder gets config.json, metrics.csv, loss.png, last.safetensors and "
+        "The run folder gets config.json, metrics.csv, steps.csv, loss.png, last.safetensors and "
         "best.safetensors. Ctrl-C saves and stops; --resume continues exactly.",
         epilog="example: gptlab train --preset demo --data shakespeare --out runs/demo",
     )
-    tr.add_argument("--preset", choices=list(PRESETS), help="named settings to start from")
-    tr.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] tables")
-    tr.add_argument("--data", help=source_help + ", or a prepared folder (default shakespeare); with "
-                    "--resume, the run's prepared folder if it was moved")
     tr.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
     add_run_options(tr)
     tr.add_argument("--init-from", metavar="RUN", help="fine-tune: start from this run's (or an imported "
                     "model's) weights and architecture, tokenizing --data with its tokenizer")
     tr.add_argument("--samples", type=int, default=2, help="samples printed after training (default 2)")
-    add_tokenizer_options(tr, TOKENIZERS)
-    # vocab_size comes from the tokenizer (so --vocab-size is the tokenizer's); causal is never switched off
-    add_config_arguments(tr, ModelConfig, "model options", exclude=("vocab_size", "causal"))
-    add_config_arguments(tr, TrainConfig, "training options")
+    add_train_options(tr, data_help=", or a prepared folder (default shakespeare); with --resume, the run's "
+                      "prepared folder if it was moved")
     tr.set_defaults(func=cmd_train)
 
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint",
@@ -362,6 +360,24 @@ def add_data_commands(sub: Any) -> None:
     add_device_option(sa)
     add_weight_options(sa)
     sa.set_defaults(func=cmd_sample)
+
+
+def add_train_options(parser: argparse.ArgumentParser, data_help: str,
+                      exclude: Sequence[str] = ()) -> None:
+    """What a training run is made of: --preset, --config, --data and its tokenizer, and one option per
+    model and training field (shared by `train` and `compare`)."""
+    from gptlab.data import CORPORA
+    from gptlab.presets import PRESETS
+    from gptlab.tokenizer import TOKENIZERS
+
+    parser.add_argument("--preset", choices=list(PRESETS), help="named settings to start from")
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] tables")
+    parser.add_argument("--data", help=f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder "
+                        "or a glob" + data_help)
+    add_tokenizer_options(parser, TOKENIZERS)
+    # vocab_size comes from the tokenizer (so --vocab-size is the tokenizer's); causal is never switched off
+    add_config_arguments(parser, ModelConfig, "model options", exclude=("vocab_size", "causal"))
+    add_config_arguments(parser, TrainConfig, "training options", exclude=exclude)
 
 
 def add_tokenizer_options(parser: argparse.ArgumentParser, tokenizers: Sequence[str]) -> None:

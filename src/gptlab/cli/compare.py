@@ -1,0 +1,74 @@
+"""The compare command: train a grid of settings over seeds, and report the differences with their noise."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any
+
+from gptlab.cli.common import config_overrides
+from gptlab.config import ModelConfig, TrainConfig
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Plan the grid (refusing a bad key or value), then print it (--dry-run) or train it and report."""
+    from gptlab.experiments.compare import compare, describe, jobs_and_threads, plan
+    from gptlab.experiments.grid import RunOptions, parse_seeds, parse_vary
+
+    options = RunOptions(preset=args.preset, config=args.config, data=args.data or "shakespeare",
+                         tokenizer=args.tokenizer or "char", tokenizer_vocab_size=args.tokenizer_vocab_size,
+                         model=config_overrides(args, ModelConfig), train=config_overrides(args, TrainConfig))
+    varies = [parse_vary(text) for text in args.vary]
+    seeds = parse_seeds(args.seeds)
+    if args.dry_run:
+        jobs, threads = jobs_and_threads(args.jobs)
+        for line in describe(plan(options, varies, seeds, args.out, args.baseline), jobs, threads):
+            print(line)
+        return 0
+    command = shlex.join(["gptlab", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else ""
+    result = compare(options, varies, seeds, args.out, jobs=args.jobs, baseline=args.baseline,
+                     progress=not args.no_progress, command=command)
+    for summary in result.summaries:
+        if summary.n:
+            mean, sd = summary.mean_sd("final_val")
+            spread = "" if summary.n < 2 else f" ± {sd:.4f}"
+            print(f"{summary.cell.name}: final val loss {mean:.4f}{spread} over {summary.n} seed(s)")
+    if result.failed:
+        for outcome in result.failed:
+            print(f"gptlab: {outcome.label} {outcome.status}: {outcome.message}", file=sys.stderr)
+        return 1
+    print(f"report: {result.out / 'report.md'} (and report.html, curves.png)")
+    return 0
+
+
+def add_compare_command(sub: Any) -> None:
+    """`gptlab compare`."""
+    from gptlab.cli.text import add_train_options
+
+    cmp = sub.add_parser(
+        "compare", help="train a grid of settings over seeds and test the differences",
+        description="Train every combination of the --vary values, each with every seed, from the same "
+        "data and options (any option of gptlab train), then write OUT/report.md, OUT/report.html and "
+        "OUT/curves.png: each cell's final validation loss as mean ± sd over seeds, its difference to the "
+        "baseline with Welch's t-test, and the curves. Each run is a normal run folder, "
+        "OUT/<cell>/seed-<n>. The same command again trains nothing new: finished runs are kept, "
+        "interrupted ones resumed, more seeds or values added.",
+        epilog="example: gptlab compare --preset speedrun --vary positions=learned,rope,none --seeds 3 "
+        "--out runs/positions",
+    )
+    cmp.add_argument("--vary", action="append", default=[], metavar="KEY=V1,V2",
+                     help="an option of gptlab train and its values, e.g. positions=learned,rope or "
+                     "lr=3e-3,6e-3; repeat for a product of several")
+    cmp.add_argument("--seeds", default="3", metavar="N", help="train each cell with seeds 1..N, or with "
+                     "the seeds listed (1,5,9) (default 3)")
+    cmp.add_argument("--out", required=True, help="folder of the comparison (created; the same --out "
+                     "continues it)")
+    cmp.add_argument("--jobs", type=int, metavar="N", help="runs trained at once, the cores shared among "
+                     "them (default: one per core, one thread each)")
+    cmp.add_argument("--baseline", metavar="CELL", help="the cell the others are compared with, by name "
+                     "(positions=learned) or values (learned) (default: the first)")
+    cmp.add_argument("--dry-run", action="store_true", help="print the grid, the number of runs and a "
+                     "measured time estimate; train nothing")
+    add_train_options(cmp, data_help=", or a prepared folder (default shakespeare)", exclude=("seed",))
+    cmp.set_defaults(func=cmd_compare)

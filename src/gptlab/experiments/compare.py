@@ -1,0 +1,183 @@
+"""`gptlab compare` as a library call: plan the grid, prepare its data, train what is not done, report.
+
+OUT holds compare.json (the grid), data/ (each text prepared once), logs/ (one log per run), a run folder
+per cell and seed, and the report (report.md, report.html, curves.png), rewritten after every call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from gptlab.common import cpu_name, on_terminal
+from gptlab.experiments.estimate import run_seconds, step_seconds
+from gptlab.experiments.grid import Cell, Run, RunOptions, build_grid, find_cell, grid_runs, safe_name
+from gptlab.experiments.report import CellSummary, write_report
+from gptlab.experiments.runner import (
+    Outcome,
+    cores,
+    data_folder_for,
+    default_jobs,
+    plan_job,
+    prepare_data,
+    run_jobs,
+)
+from gptlab.files import RunLock, atomic_write_text
+
+log = logging.getLogger("gptlab.compare")
+
+GRID_FILE = "compare.json"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A comparison's cells, runs (cell by cell, seed by seed) and baseline cell."""
+
+    cells: list[Cell]
+    runs: list[Run]
+    baseline: Cell
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    """What a call achieved: the outcome of every job it ran, and the cells as the report shows them."""
+
+    out: Path
+    outcomes: list[Outcome]
+    summaries: list[CellSummary]
+    skipped: int  # runs finished and scored by an earlier call
+
+    @property
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.status in ("failed", "diverged")]
+
+
+def plan(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], seeds: Sequence[int],
+         out: str | Path, baseline: str | None = None) -> Grid:
+    """The grid of `options` with `varies` over `seeds`, each cell validated (a bad value is one line)."""
+    cells = build_grid(options, list(varies))
+    return Grid(cells, grid_runs(cells, tuple(seeds), Path(out)), find_cell(cells, baseline))
+
+
+def describe(grid: Grid, jobs: int, threads: int) -> list[str]:
+    """The grid as lines: each cell's settings and size, the number of runs, and the time it should take,
+    measured with a few steps of each distinct cell shape on this machine."""
+    from gptlab.data import TokenData
+
+    seeds = len(grid.runs) // len(grid.cells)
+    lines = [f"{len(grid.cells)} cell(s) x {seeds} seed(s) = {len(grid.runs)} runs, {jobs} at a time with "
+             f"{threads} thread(s) each; baseline {grid.baseline.name}"]
+    seconds, probes = 0.0, {}
+    for cell in grid.cells:
+        folder = data_folder_for(cell, grid.runs[0].folder.parents[1])
+        vocab = TokenData(folder).tokenizer.vocab_size if (folder / "meta.json").is_file() else 256
+        model = cell.model_config.replace(vocab_size=vocab)
+        shape = (json.dumps(model.to_dict()), cell.train_config.batch_size, cell.train_config.grad_accum,
+                 cell.train_config.optimizer)
+        if shape not in probes:
+            probes[shape] = step_seconds(model, cell.train_config, threads)
+        each = run_seconds(probes[shape], cell.train_config, cell.train_config.max_steps)
+        seconds += each * seeds
+        lines.append(f"  {cell.name}: {cell.train_config.max_steps} steps, about {each:.1f} s a run")
+    lines.append(f"estimated {seconds / jobs / 60:.1f} min in all (a few timed steps of each cell here; "
+                 "startup, data preparation and scoring not counted)")
+    return lines
+
+
+def compare(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], seeds: Sequence[int],
+            out: str | Path, *, jobs: int | None = None, baseline: str | None = None, progress: bool = True,
+            command: str = "") -> CompareResult:
+    """Train every run of the grid that is not finished (N at a time), then write the report.
+
+    The same call again trains nothing and rewrites the report; an interrupted call's runs are resumed from
+    their last checkpoints. A run folder trained with other settings is refused before anything trains.
+    """
+    out = Path(out)
+    grid = plan(options, varies, seeds, out, baseline)
+    check_folder(out)
+    with RunLock(out):
+        write_grid(out, grid, command)
+        jobs, threads = jobs_and_threads(jobs)
+        data = prepare_data(grid.cells, out, progress)
+        planned = [(run, plan_job(run, data[run.cell.name], threads, out / "logs")) for run in grid.runs]
+        todo = [job for _, job in planned if job is not None]
+        skipped = len(planned) - len(todo)
+        kinds = {a: sum(j.action == a for j in todo) for a in ("train", "resume", "score")}
+        log.info(f"{len(grid.runs)} runs: {skipped} finished before, {kinds['resume']} to resume, "
+                 f"{kinds['train']} to train, {kinds['score']} to score; {min(jobs, max(1, len(todo)))} at a "
+                 f"time with {threads} thread(s) each (logs in {out / 'logs'})")
+        outcomes: list[Outcome] = []
+        context = report_context(command, jobs, threads)
+        bar = tqdm(total=len(todo), unit="run", disable=not (progress and on_terminal()), dynamic_ncols=True)
+        begin = time.perf_counter()
+
+        def report_outcome(outcome: Outcome) -> None:
+            outcomes.append(outcome)
+            bar.update(1)
+            loss = f", final val loss {outcome.val_loss:.4f}" if outcome.val_loss is not None else ""
+            detail = f": {outcome.message}" if outcome.message else ""
+            log.info(f"[{len(outcomes)}/{len(todo)}] {outcome.label}: {outcome.status} in "
+                     f"{outcome.seconds:.0f} s{loss}{detail}")
+
+        try:
+            if todo:
+                run_jobs(todo, jobs, report_outcome)
+        except KeyboardInterrupt:
+            log.info(f"interrupted: the running runs saved their last step; run the same command again to "
+                     f"continue (report of the finished runs in {out / 'report.md'})")
+            raise
+        finally:
+            bar.close()
+            summaries = write_report(out, grid.runs, grid.baseline, context)
+        if todo:
+            minutes = (time.perf_counter() - begin) / 60
+            log.info(f"trained for {minutes:.1f} min; report in {out / 'report.md'}, {out / 'report.html'} "
+                     f"and {out / 'curves.png'}")
+    return CompareResult(out, outcomes, summaries, skipped)
+
+
+def check_folder(out: Path) -> None:
+    """Refuse an --out that holds something other than a comparison (or nothing)."""
+    others = out.is_dir() and any(p.name != RunLock.NAME for p in out.iterdir())
+    if others and not (out / GRID_FILE).is_file():
+        raise ValueError(f"{out} is not empty and holds no comparison: choose a new or empty --out "
+                         "(nothing in it was changed)")
+
+
+def write_grid(out: Path, grid: Grid, command: str) -> None:
+    """compare.json: the cells (settings and configs), the seeds and the baseline, for readers of OUT."""
+    seeds = sorted({r.seed for r in grid.runs})
+    record = {"command": command, "seeds": seeds, "baseline": grid.baseline.name, "cells": [
+        {"name": c.name, "folder": safe_name(c.name), "settings": dict(c.settings), "data": c.options.data,
+         "tokenizer": c.options.tokenizer, "model": c.model_config.to_dict(),
+         "train": c.train_config.to_dict()}
+        for c in grid.cells]}
+    atomic_write_text(out / GRID_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def report_context(command: str, jobs: int, threads: int) -> list[str]:
+    """The lines that say where and how the figures were measured."""
+    lines = [f"command: `{command}`"] if command else []
+    return lines + [f"measured on {cpu_name()} ({cores()} cores), torch {torch.__version__}, Python "
+                    f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}",
+                    f"{jobs} run(s) at a time with {threads} thread(s) each: times are comparable within "
+                    "this report, not with runs trained alone"]
+
+
+def jobs_and_threads(jobs: int | None) -> tuple[int, int]:
+    """The runs trained at once (default: one per two cores) and the threads each gets."""
+    n = cores()
+    jobs = default_jobs(n) if jobs is None else jobs
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs} must be at least 1")
+    return jobs, max(1, math.floor(n / jobs))
+
