@@ -79,10 +79,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     data, and only rank 0 prints.
     """
     from gptlab import distributed
+    from gptlab.checkpoint import LAST
     from gptlab.presets import resolve_configs
     from gptlab.train import resume, train
-
-    from gptlab.checkpoint import LAST
 
     out = Path(args.out)
     is_main = distributed.this_process().is_main
