@@ -1,6 +1,7 @@
-"""The handout's properties as functions, and `Check`, the one result type of `gptlab lab` and `verify`.
+"""The handout's properties as functions, and `Check`, the one result type of `gptlab lab`, `verify`, `check`.
 
-The lab (lab.py) runs them on small models it builds itself, `verify` (inspection/) on trained ones:
+The lab (lab.py) runs them on small models it builds itself, `verify` (inspection/) on trained ones,
+`check` (gptlab.learner) on a learner's own code, where a failure also carries its likely `cause`:
 rows sum to one (§3.2), fused = separate projections and heads (§4.2), a tied head is the embedding
 tensor (§6), permutation equivariance without positions (§6.1), and outputs at i ignoring every
 later input, exactly (§7.3). Comparisons state their tolerance and report the largest difference:
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ class Check:
     deviation: float | None = None  # the measured number: max |difference|, or the quantity bounded
     tolerance: float | None = None  # the bound it is held to
     note: str = ""  # what was measured, or why the property does not apply
+    cause: str = ""  # on a failure of a learner's code: the most likely cause and its fix
 
     @property
     def verdict(self) -> str:
@@ -48,6 +50,16 @@ class Check:
 def failed(checks: Iterable[Check]) -> list[Check]:
     """The checks that apply to the model and do not hold."""
     return [c for c in checks if c.passed is False]
+
+
+def skipped(section: str, name: str, why: str) -> Check:
+    """A check that cannot apply here, with the reason (never reported as passed)."""
+    return Check(section, name, None, note=why)
+
+
+def explain(check: Check, cause: str) -> Check:
+    """`check` with its most likely cause attached if it failed (a passing or skipped one is unchanged)."""
+    return replace(check, cause=cause) if check.passed is False and not check.cause else check
 
 
 # ---------------------------------------------------------------------------------------------

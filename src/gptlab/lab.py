@@ -4,9 +4,11 @@ Each check function rebuilds one section's numbers with gptlab's own parts (`att
 `masked_softmax`, `attention`, `causal_mask`, `KERNELS`, `CausalSelfAttention`, `MLP`, `NORMS`,
 `Block`, `GPT`, `parameter_count`), not with a toy copy of them, and returns `Check`s that state the
 handout's expectation, the computed value and whether they agree within an explicit tolerance. This
-is the handout's §8 lab, run against the real model. The handout's worked numbers live here; its
-general properties (rows sum to one, fused = separate, tying, permutation equivariance, causality)
-are the functions of `gptlab.checks`, which `gptlab verify` runs on trained models too.
+is the handout's §8 lab, run against the real model. The worked numbers of §2.1-§4.1 and §5's
+LayerNorm are functions of any attention function or module (`gptlab.worked`), which `gptlab check`
+points at a learner's code. Its general properties (rows sum to one, fused = separate, tying,
+permutation equivariance, causality) are the functions of `gptlab.checks`, which `gptlab verify`
+runs on trained models too.
 
 The model module is always reached through its name (`M.attention_scores`, ...) so that a test
 which monkeypatches `gptlab.model` breaks the lab too: that is how the tests prove the checks bite.
@@ -33,13 +35,25 @@ from gptlab.checks import (
     differs,
     exceeds,
     fused_and_separate,
-    identical,
     ignores_later_inputs,
     permutation_equivariant,
-    rows_sum_to_one,
     tied_head,
 )
 from gptlab.config import ModelConfig
+from gptlab.worked import (
+    batch_items_apart,
+    head_parameters,
+    layer_norm,
+    retrieval,
+    retrieval_inputs,
+    rows_and_columns,
+    saturation,
+    saturation_inputs,
+    score_variance,
+    two_head_input,
+    two_head_weights,
+    two_heads,
+)
 
 Section = Callable[[], "list[Check]"]  # one section's checks, seeded on their own
 
@@ -91,45 +105,23 @@ def _random_gpt(seed: int, **changes: object) -> M.GPT:
 # §2-§3: one query, scaling, and the batched matrix operation
 
 
+def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """gptlab's attention as `gptlab.worked` takes it: the outputs only."""
+    return M.attention(queries, keys, values)[0]
+
+
 @_seeded(21)
 def check_retrieval() -> list[Check]:
     """§2.1: q = [1, 0] against three keys retrieves y = [2, 1.5], a convex combination of the values."""
     s = "§2.1"
-    query = torch.tensor([[1.0, 0.0]])  # (Tq=1, d_k=2)
-    keys = torch.tensor([[math.sqrt(2) * math.log(2), 0.0], [0.0, 1.0], [0.0, -1.0]])  # (Tk=3, d_k)
-    values = torch.tensor([[2.0, 0.0], [0.0, 2.0], [4.0, 4.0]])  # (Tk, d_v=2)
-    scores = M.attention_scores(query, keys)
-    y, weights = M.attention(query, keys, values)
-    fused = M.KERNELS["sdpa"](query[None], keys[None], values[None], None, False)  # (1, 1, d_v)
-    nearest = (values - y).norm(dim=-1).min().item()
+    query, keys, values = retrieval_inputs()  # (1, Tq=1, d_k=2), (1, Tk=3, d_k), (1, Tk, d_v=2)
+    fused = M.KERNELS["sdpa"](query[None], keys[None], values[None], None, False)  # (1, 1, 1, d_v)
     return [
-        close(s, "scaled scores s", scores[0], [math.log(2), 0, 0], 1e-6, "[log 2, 0, 0]"),
-        close(s, "weights a", M.masked_softmax(scores)[0], [0.5, 0.25, 0.25], 1e-6, "[1/2, 1/4, 1/4]"),
-        close(s, "retrieval output y", y[0], [2, 1.5], 1e-6, "[2, 1.5]"),
-        close(s, "sdpa kernel output y", fused[0, 0], [2, 1.5], 1e-6, "[2, 1.5]"),
-        Check(s, "weights are nonnegative", bool(weights.min() >= 0), "min a >= 0",
-              f"{weights.min().item():.6f}"),
-        close(s, "weights sum to one", weights.sum(-1), [1.0], 1e-6),
-        close(s, "y is the weighted sum of the values", y, weights @ values, 1e-6, "a @ V"),
-        exceeds(s, "y equals no single value", nearest, 0.1, "distance to the nearest value"),
+        close(s, "scaled scores s", M.attention_scores(query, keys)[0, 0], [math.log(2), 0, 0], 1e-6,
+              "[log 2, 0, 0]"),
+        *retrieval(_attend),
+        close(s, "sdpa kernel output y", fused[0, 0, 0], [2, 1.5], 1e-6, "[2, 1.5]"),
     ]
-
-
-def _variance_checks(sigma: float, samples: int) -> list[Check]:
-    """Sample q, k with iid N(0, sigma^2) coordinates; compare score variances with the §3.1 argument."""
-    generator = torch.Generator().manual_seed(311)
-    results = []
-    for d_k in (4, 64, 1024):
-        q = sigma * torch.randn(samples, 1, d_k, generator=generator)  # (N, Tq=1, d_k)
-        k = sigma * torch.randn(samples, 1, d_k, generator=generator)  # (N, Tk=1, d_k)
-        for label, value, target in (
-            ("scaled scores", M.attention_scores(q, k).var().item(), sigma**4),
-            ("raw q.k", (q * k).sum(-1).var().item(), d_k * sigma**4),
-        ):
-            error = value / target - 1
-            results.append(Check("§3.1", f"variance of {label}, d_k={d_k}", abs(error) <= 0.1,
-                                 f"{target:.4f} (relative error <= 10%)", f"{value:.4f} ({error:+.1%})"))
-    return results
 
 
 @_seeded(31)
@@ -137,21 +129,18 @@ def check_scaling() -> list[Check]:
     """§3.1: dividing by sqrt(d_k) keeps scores at variance sigma^4 and softmax away from saturation."""
     s = "§3.1"
     raw = torch.tensor([0.0, 8.0])
-    query = torch.full((1, 64), 1 / 8)  # (1, d_k=64), a unit vector
-    keys = torch.stack([torch.tensor([1.0, -1.0]).repeat(32), torch.ones(64)])  # (2, 64): q.k = 0, 8
-    scores = M.attention_scores(query, keys)[0]
+    query, keys = saturation_inputs()  # (1, 1, d_k=64) and (1, 2, 64): q.k = 0, 8
     return [
         close(s, "softmax of unscaled [0, 8]", M.masked_softmax(raw), [0.000335, 0.999665], 1e-6),
-        close(s, "raw q.k at d_k=64", (query @ keys.T)[0], [0, 8], 1e-6),
-        close(s, "scaled scores at d_k=64", scores, [0, 1], 1e-6),
-        close(s, "weights at d_k=64", M.masked_softmax(scores), [0.268941, 0.731059], 1e-6),
-    ] + _variance_checks(sigma=1.5, samples=20000)
+        close(s, "raw q.k at d_k=64", (query @ keys.transpose(-2, -1))[0, 0], [0, 8], 1e-6),
+        close(s, "scaled scores at d_k=64", M.attention_scores(query, keys)[0, 0], [0, 1], 1e-6),
+        saturation(_attend),
+    ] + score_variance(M.attention_scores, sigma=1.5, samples=20000)
 
 
 @_seeded(32)
 def check_batching() -> list[Check]:
     """§3.2: rows of every attention matrix sum to one, columns need not; batch items never mix."""
-    s = "§3.2"
     x = 3 * torch.randn(2, 6, 8)  # (B, T, D); large enough that routing is far from uniform
     changed = x.clone()
     changed[1] = 3 * torch.randn(6, 8)  # a different batch item 1
@@ -163,12 +152,8 @@ def check_batching() -> list[Check]:
             attn.causal = causal
             tag = f"{kernel}, {'masked' if causal else 'unmasked'}"
             if kernel == "naive":  # attention_weights is recomputed explicitly whatever the kernel
-                weights = attn.attention_weights(x)  # (B, H, T, T)
-                results.append(rows_sum_to_one([weights], 1e-6, f"rows sum to one ({tag})"))
-                columns = (weights.sum(-2) - 1).abs().max().item()
-                results.append(exceeds(s, f"columns do not ({tag})", columns, 0.1, "max |column sum - 1|"))
-            results.append(identical(s, f"batch items do not mix ({tag})", attn(changed)[0], attn(x)[0],
-                                     "item 0's output after changing item 1"))
+                results += rows_and_columns(attn.attention_weights(x), tag)  # weights (B, H, T, T)
+            results.append(batch_items_apart(attn, x, changed, tag))
     return results
 
 
@@ -179,39 +164,25 @@ def check_batching() -> list[Check]:
 @_seeded(4)
 def check_head_parameters() -> list[Check]:
     """§4: at D=8 without biases, attention has 3D^2 + D^2 = 192 + 64 = 256 parameters for any H."""
-    results = []
+    results, arithmetic = [], {}
     for n_head in (1, 2, 4, 8):
         config = ModelConfig(vocab_size=16, block_size=8, n_layer=2, n_head=n_head, n_embd=8, bias=False)
-        attn = M.CausalSelfAttention(config)
-        fused, out = attn.c_attn.weight.numel(), attn.c_proj.weight.numel()
-        counted = sum(p.numel() for p in attn.parameters())
-        arithmetic = M.parameter_count(config)["attention"] / config.n_layer
-        results.append(Check("§4", f"attention parameters, D=8, H={n_head}",
-                             (fused, out, counted, arithmetic) == (192, 64, 256, 256),
-                             "192 + 64 = 256 (module and parameter_count / L)",
-                             f"{fused} + {out} = {counted}; parameter_count / L = {arithmetic:g}"))
+        results.append(head_parameters(M.CausalSelfAttention(config), config.n_embd, n_head))
+        arithmetic[n_head] = M.parameter_count(config)["attention"] / config.n_layer
+    results.append(Check("§4", "parameter_count / L, D=8", set(arithmetic.values()) == {256},
+                         "256 for H = 1, 2, 4, 8", ", ".join(f"H={h}: {n:g}" for h, n in arithmetic.items())))
     return results
 
 
 def _two_head_module(kernel: str) -> M.CausalSelfAttention:
-    """§4.1's heads: D=4, H=2, hs=2, no biases, W_O = I, weights read off one-hot inputs."""
+    """§4.1's heads: D=4, H=2, hs=2, no biases, with gptlab.worked's W_Q, W_K, W_V and W_O = I."""
     config = ModelConfig(vocab_size=4, block_size=3, n_layer=1, n_head=2, n_embd=4, bias=False,
                          attention=kernel)
     attn = M.CausalSelfAttention(config)
-    # With one-hot input rows x_j = e_j, row j of x W^T is column j of W (nn.Linear stores W as
-    # out x in), so column j of each matrix is exactly what position j publishes, heads side by side.
-    w_q, w_k, w_v = torch.zeros(4, 4), torch.zeros(4, 4), torch.zeros(4, 4)
-    # Position 2 asks [sqrt 2, 0] in both heads; the sqrt 2 cancels the library's 1/sqrt(hs) scale.
-    w_q[:, 2] = torch.tensor([math.sqrt(2), 0.0, math.sqrt(2), 0.0])
-    # Head 1's key at position 0 and head 2's at position 1 are [log 8, 0]; every other key is 0,
-    # so the scaled scores at position 2 are [log 8, 0, 0] and [0, log 8, 0].
-    w_k[0, 0] = w_k[2, 1] = math.log(8)
-    # Both heads publish §2.1's values: position j's value row is [v_j | v_j].
-    for j, v in enumerate(([2.0, 0.0], [0.0, 2.0], [4.0, 4.0])):
-        w_v[:, j] = torch.tensor(v + v)
+    w_q, w_k, w_v, w_o = two_head_weights()  # each (out, in) = (4, 4), as nn.Linear stores them
     with torch.no_grad():
         attn.c_attn.weight.copy_(torch.cat([w_q, w_k, w_v]))  # (3D, D) = [W_Q; W_K; W_V]
-        attn.c_proj.weight.copy_(torch.eye(4))  # W_O = I_4 keeps the four features apart
+        attn.c_proj.weight.copy_(w_o)
     return attn
 
 
@@ -219,19 +190,14 @@ def _two_head_module(kernel: str) -> M.CausalSelfAttention:
 def check_two_heads() -> list[Check]:
     """§4.1: two heads route the same query differently; concatenation keeps both answers."""
     s = "§4.1"
-    x = torch.eye(4)[:3].unsqueeze(0)  # (B=1, T=3, D=4): rows e_0, e_1, e_2
+    x = two_head_input()  # (B=1, T=3, D=4): rows e_0, e_1, e_2
     attn = _two_head_module("naive")
     weights = attn.attention_weights(x)[0, :, 2]  # (H, Tk) at query position 2
-    y = attn(x)[0, 2]  # (D,) = [head 1 | head 2]
-    average = y.view(2, 2).mean(0)  # what averaging the heads' answers would give
     return [
         close(s, "weights of the two heads at position 2", weights,
               [[0.8, 0.1, 0.1], [0.1, 0.8, 0.1]], 1e-6),
-        close(s, "output at position 2 (naive)", y, [2, 0.6, 0.6, 2], 1e-6, "[2, 0.6 | 0.6, 2]"),
-        close(s, "output at position 2 (sdpa)", _two_head_module("sdpa")(x)[0, 2], [2, 0.6, 0.6, 2], 1e-6,
-              "[2, 0.6 | 0.6, 2]"),
-        close(s, "averaging the heads instead", average, [1.3, 1.3], 1e-6),
-        differs(s, "concatenation is not averaging", y, average.repeat(2), 0.1),
+        *two_heads(attn(x)[0, 2], " (naive)"),  # (D,) = [head 1 | head 2]
+        two_heads(_two_head_module("sdpa")(x)[0, 2], " (sdpa)")[0],  # its output only: names stay unique
         exceeds(s, "both heads weight position 2", weights[:, 2].min().item(), 0.0, "min weight"),
     ]
 
@@ -273,32 +239,6 @@ def check_fused_projection() -> list[Check]:
 # §5: LayerNorm works within a token; the FFN's nonlinearity matters
 
 
-def _layernorm_checks() -> list[Check]:
-    """LayerNorm gives each token mean 0 and variance 1 over its features, and reads no other token."""
-    s = "§5"
-    norm = M.NORMS["layernorm"](ModelConfig(n_embd=8, n_head=2, block_size=8))
-    # A per-feature offset gives every token the same feature pattern, which LayerNorm keeps, so
-    # means over positions or over batch items stay visibly away from zero.
-    x = torch.randn(2, 5, 8) + torch.arange(8.0)  # (B, T, D)
-    y = norm(x)
-    changed = x.clone()
-    changed[0, 3] += 5 * torch.randn(8)  # another token of item 0
-    changed[1] = torch.randn(5, 8)  # another batch item
-    kept = [0, 1, 2, 4]  # item 0's untouched tokens
-    return [
-        close(s, "LayerNorm: per-token mean over features", y.mean(-1), torch.zeros(2, 5), 1e-4,
-              "0 for every token"),
-        close(s, "LayerNorm: per-token variance over features", y.var(-1, correction=0),
-              torch.ones(2, 5), 1e-4, "1 for every token"),
-        exceeds(s, "LayerNorm: means over positions are not zero", y.mean(1).abs().max().item(), 0.1,
-                "max |mean over T|"),
-        exceeds(s, "LayerNorm: means over batch items are not zero", y.mean(0).abs().max().item(), 0.1,
-                "max |mean over B|"),
-        identical(s, "LayerNorm: other tokens do not affect a token", norm(changed)[0, kept], y[0, kept],
-                  "untouched tokens after changing others"),
-    ]
-
-
 def _affine_residual(x: torch.Tensor, y: torch.Tensor) -> float:
     """Relative residual of the best affine map x -> y: ||y - fit|| / ||y - mean(y)||."""
     design = torch.cat([x, torch.ones(len(x), 1)], dim=1).detach().double()  # (N, D + 1): 1 carries bias
@@ -330,7 +270,8 @@ def _collapse_checks() -> list[Check]:
 @_seeded(5)
 def check_block_parts() -> list[Check]:
     """§5: LayerNorm normalises within a token; without its nonlinearity the FFN collapses to one map."""
-    return _layernorm_checks() + _collapse_checks()
+    norm = M.NORMS["layernorm"](ModelConfig(n_embd=8, n_head=2, block_size=8))
+    return layer_norm(norm) + _collapse_checks()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from gptlab.cli.common import TqdmHandler
 from gptlab.cli.compare import add_compare_command
 from gptlab.cli.hf import add_hf_commands
 from gptlab.cli.inspect import add_inspect_commands
+from gptlab.cli.learner import add_learner_commands
 from gptlab.cli.seq2seq import add_seq2seq_commands
 from gptlab.cli.serve import add_serve_command
 from gptlab.cli.text import add_data_commands, add_model_commands
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_adapt_commands(sub)
     add_chat_command(sub)
     add_compare_command(sub)
+    add_learner_commands(sub)
     return parser
 
 

@@ -1,0 +1,158 @@
+"""The learner commands: `gptlab check` grades a learner's own implementation against the handout, and
+`gptlab break` writes or trains the classic bugs it catches. Thin wiring over gptlab.learner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+CHECK_DESCRIPTION = """\
+Import each FILE.py (your own implementation) and run every check of handout #11 that applies to
+what it defines, one line each: PASS, FAIL or SKIP, the section and the check; a failure says what
+was expected, what was measured and the most likely cause with its fix. The documented names:
+
+  attention(q, k, v[, mask])  a function returning y, or (y, weights): §2.1 retrieval [2, 1.5],
+                              §3.1 scale by sqrt(d_k), §3.2 rows sum to one, batch items do not
+                              mix, inputs of rank 3 and 4
+  MultiHeadAttention          a module, fused or one module per head: §4 parameter count,
+                              §4.1 two heads are concatenated, not averaged, §4.2 fused = separate
+  Block                       a Transformer block: §5 LayerNorm across features, pre- or post-norm
+  a model                     ids [B, T] -> logits [B, T, V], built by --model EXPR: §6.1 order,
+                              §7.1 appending a token, §7.3 no output sees a later input, the loss
+                              is next-token
+
+A check that cannot apply (no weights to set, no mask argument) is SKIPped with the reason, never
+passed. Each file runs in a child process with a time limit and a memory limit, so an endless
+loop, an allocation without bound or a crash is one line naming the file. This is isolation
+against mistakes, NOT a sandbox: the file's code runs with your rights, so check only code you
+would run yourself (or run gptlab check inside a container). Exit status: 0 every check that
+applies passed, 1 a check failed or a file could not be checked, 2 a usage mistake."""
+
+CHECK_EPILOG = """\
+examples:
+  gptlab check attention.py
+  gptlab check model.py --model "GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=8))"
+  gptlab check mine.py --attention scaled_attention --heads Heads --verbose
+  gptlab check submissions/*.py --csv grades.csv
+  gptlab check /autograder/submission/model.py --gradescope /autograder/results/results.json"""
+
+BREAK_DESCRIPTION = """\
+The gallery of classic bugs in attention and GPT code. --list names them; BUG --write FILE.py
+writes a learner-style implementation with that bug (an exercise: find it, or run gptlab check on
+it); `reference --write FILE.py` writes the correct one; BUG --train trains the bugged model beside
+the correct one for --seconds each and shows what the bug does, with a picture. Every bug of kind
+"bug" is caught by gptlab check at its section; the two of kind "choice" (positions missing,
+post-norm without warm-up) are not failed by check: --train shows what they cost."""
+
+BREAK_EPILOG = """\
+examples:
+  gptlab break --list
+  gptlab break mask-after-softmax --write exercise.py && gptlab check exercise.py
+  gptlab break unshifted-targets --train --seconds 60 --out runs/break"""
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Check each file in its own child process, print the report, write the files asked for."""
+    from gptlab.learner.formats import json_records, succeeded, text_lines, write_csv, write_gradescope
+    from gptlab.learner.grade import Names
+    from gptlab.learner.isolate import check_file
+
+    paths = [Path(name) for name in args.files]
+    for path in paths:
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        if path.suffix != ".py":
+            raise ValueError(f"{path} is not a Python file: give the .py file that defines your attention, "
+                             "heads, block or model")
+    if args.timeout <= 0 or args.memory_mb <= 0:
+        raise ValueError("--timeout and --memory-mb must be positive")
+    given = {"attention": args.attention, "heads": args.heads, "block": args.block, "model": args.model}
+    names = Names(**{field: value for field, value in given.items() if value is not None})
+    reports = []
+    for path in paths:
+        reports.append(check_file(path, names, args.timeout, args.memory_mb))
+        if not args.json:
+            print("\n".join(text_lines(reports[-1], args.verbose)), flush=True)
+    if args.json:
+        print("[" + ",\n".join(json.dumps(record, allow_nan=False) for record in json_records(reports)) + "]")
+    if args.gradescope:
+        write_gradescope(reports, Path(args.gradescope))
+    if args.csv:
+        write_csv(reports, Path(args.csv))
+    if len(reports) > 1 and not args.json:
+        print(f"\n{sum(map(succeeded, reports))} of {len(reports)} files passed every check that applies")
+    return 0 if all(map(succeeded, reports)) else 1
+
+
+def cmd_break(args: argparse.Namespace) -> int:
+    """List the bugs, write one (or the reference) as a learner-style file, or train one and the reference."""
+    from gptlab.learner import bugs  # imported here so that `gptlab check` never needs the gallery
+
+    if args.list:
+        width = max(len(name) for name in bugs.BUGS)
+        for bug in bugs.BUGS.values():
+            print(f"{bug.name:<{width}}  {bug.kind:<6}  {bug.section:<5}  {bug.title}")
+        print(f"{'reference':<{width}}  {'':<6}  {'':<5}  the correct implementation (with --write)")
+        return 0
+    if args.bug is None or not (args.write or args.train):
+        raise ValueError("give --list, or a bug with --write FILE.py or --train (--list names the bugs)")
+    if args.bug == "reference":
+        if args.train:
+            raise ValueError("the reference trains beside every bug: name a bug to --train")
+        bugs.write_reference(Path(args.write))
+        print(f"wrote {args.write}: the correct implementation")
+        return 0
+    bug = bugs.bug_named(args.bug)
+    if args.write:
+        bugs.write_bug(bug.name, Path(args.write))
+        found = "finds it" if bug.kind == "bug" else "does not fail it (a choice: --train shows its cost)"
+        print(f"wrote {args.write}: {bug.title}; gptlab check {args.write} {found}")
+        return 0
+    from gptlab.learner.side_by_side import train_side_by_side
+
+    for line in train_side_by_side(args.bug, args.seconds, Path(args.out)):
+        print(line)
+    return 0
+
+
+def add_learner_commands(sub: Any) -> None:
+    """`gptlab check` and `gptlab break`."""
+    check = sub.add_parser("check", help="check your own attention, heads, block or model (handout #11)",
+                           description=CHECK_DESCRIPTION, epilog=CHECK_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("files", nargs="+", metavar="FILE.py", help="the learner's files, each checked apart")
+    names = check.add_argument_group("names (when yours differ from the documented ones)")
+    names.add_argument("--attention", metavar="NAME", help="the attention function (default attention)")
+    names.add_argument("--heads", metavar="NAME", help="the multi-head module (default MultiHeadAttention)")
+    names.add_argument("--block", metavar="NAME", help="the Transformer block (default Block)")
+    names.add_argument("--model", metavar="EXPR", help="a Python expression evaluated in your file that "
+                       "builds the whole model, e.g. \"GPT(GPTConfig(vocab_size=11, block_size=16, "
+                       "n_layer=2, n_head=2, n_embd=8))\" (default: your GPT class, or one named like it, "
+                       "built from its config)")
+    check.add_argument("--verbose", action="store_true", help="show the numbers behind each line and the "
+                       "traceback of a file that fails, trimmed to the frames in that file")
+    check.add_argument("--json", action="store_true", help="print one JSON object per check instead of text")
+    check.add_argument("--gradescope", metavar="RESULTS.json", help="also write Gradescope's autograder "
+                       "results (one test per check, one point each)")
+    check.add_argument("--csv", metavar="GRADES.csv", help="also write one row per file: file, passed, "
+                       "failed, skipped, score (percent of the checks that apply), error")
+    check.add_argument("--timeout", type=float, default=60, metavar="S", help="seconds each file may take, "
+                       "torch's import (~2 s) included (default 60)")
+    check.add_argument("--memory-mb", type=int, default=4096, metavar="N", help="memory each file's code "
+                       "may take beyond the torch import, Linux only (default 4096)")
+    check.set_defaults(func=cmd_check)
+
+    brk = sub.add_parser("break", help="the gallery of classic attention bugs: write or train one",
+                         description=BREAK_DESCRIPTION, epilog=BREAK_EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    brk.add_argument("bug", nargs="?", metavar="BUG", help="a bug's name (see --list), or reference")
+    action = brk.add_mutually_exclusive_group()
+    action.add_argument("--list", action="store_true", help="name the bugs, their kind and section")
+    action.add_argument("--write", metavar="FILE.py", help="write a learner-style file with the bug")
+    action.add_argument("--train", action="store_true", help="train the bugged and the correct model and "
+                        "show the difference")
+    brk.add_argument("--seconds", type=float, default=60, help="training time of each model (default 60)")
+    brk.add_argument("--out", default="runs/break", help="folder for the picture (default runs/break)")
+    brk.set_defaults(func=cmd_break)

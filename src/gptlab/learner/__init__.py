@@ -1,0 +1,1 @@
+"""Checks a learner's own implementation of handout #11 (attention, heads, block, model) against it."""
