@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy import stats
 
 from gptlab.checkpoint import LAST, load_checkpoint
 from gptlab.cli import main
@@ -44,6 +43,8 @@ GRID = [("positions", ("learned", "rope")), ("tied", ("true", "false"))]
 @pytest.mark.slow
 def test_a_two_by_two_grid_reports_welch_tests_as_scipy_computes_them_and_a_repeat_trains_nothing(
         tmp_path: Path) -> None:
+    from scipy import stats
+
     out = tmp_path / "cmp"
     result = compare(options(tmp_path), GRID, (1, 2), out, jobs=2, progress=False)
     assert [o.status for o in result.outcomes] == ["finished"] * 8

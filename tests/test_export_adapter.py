@@ -3,6 +3,7 @@ and peft puts the exported adapter on it, giving the logits of the run's adapted
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,9 @@ from gptlab.config import ModelConfig
 from gptlab.model import GPT
 from gptlab.tokenizer import CharTokenizer
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+# Looked up, not imported: importing peft costs seconds at collection, which every test run would pay.
+pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("transformers", "peft")),
+                                reason="needs transformers and peft (gptlab[hf])")
 
 TOKENIZER = CharTokenizer("abcdefgh=\n")
 SHAPES: dict[str, dict[str, Any]] = {

@@ -226,7 +226,7 @@ BAD = [
     (json.dumps({"prompt": "the cat " * 4}).encode(), 400, "prompt"),  # 32 tokens, context 24
     (json.dumps({"prompt": ""}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "the cat", "model": "gpt-4"}).encode(), 404, "model"),
-    (json.dumps({"prompt": "the cat", "echo": True}).encode(), 400, "echo"),
+    (json.dumps({"prompt": "the cat", "echo": True, "stream": True}).encode(), 400, "echo"),
     (json.dumps({"prompt": "the cat", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop"),  # over 4
     (json.dumps({"prompt": "the cat", "stop": "x" * 65}).encode(), 400, "stop"),  # over 64 characters
     (json.dumps({"prompt": "a" * (MAX_BODY + 1)}).encode(), 413, None),
@@ -264,6 +264,7 @@ def test_a_client_that_goes_away_frees_its_slot_at_once(live: Live) -> None:
     assert wait_for(lambda: scheduler.active == 0, 2.0), "the whole completion kept its slot"
 
 
+@pytest.mark.slow  # starts a server
 def test_api_key_is_required_when_given(trained_run: Path) -> None:
     openai = pytest.importorskip("openai")
     model, tokenizer = load_run(trained_run)

@@ -132,6 +132,7 @@ def test_tensorboard_and_steps_csv_hold_each_step_once_across_a_kill_and_resume(
         assert [s for s, _ in tensorboard(run, "eval/val_loss")] == [0, 3, 6]
 
 
+@pytest.mark.slow  # trains a run
 def test_steps_csv_has_one_row_per_step_and_torchs_gradient_norm(data_dir: Path, tmp_path: Path) -> None:
     """Step 1's loss and gradient norm, measured by hand on the same first batch, clipped or not."""
     data = TokenData(data_dir)
@@ -229,6 +230,7 @@ def without_log(checkpoint: Path) -> None:
     save_file(tensors, str(checkpoint), metadata={**metadata, "train_config": json.dumps(train_config)})
 
 
+@pytest.mark.slow  # trains and resumes a run
 def test_a_run_from_before_log_existed_resumes_with_log_tensorboard(tmp_path: Path) -> None:
     from gptlab.cli import main
 

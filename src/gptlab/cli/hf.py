@@ -1,4 +1,5 @@
-"""The export-hf / import-hf commands: runs to and from Hugging Face GPT-2 and Llama-family folders."""
+"""The export-hf / import-hf commands (runs to and from Hugging Face GPT-2 and Llama-family folders), and
+export-gguf (a run as one GGUF file for llama.cpp)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_gguf(args: argparse.Namespace) -> int:
+    """Write a run as a GGUF file for llama.cpp, Ollama and LM Studio."""
+    from gptlab.interop.gguf import export_gguf
+
+    result = export_gguf(args.run, args.out, args.type)
+    print(f"wrote {result.path}: llama.cpp architecture {result.arch}, {args.type}")
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"run it: llama-cli -m {result.path}")
+    return 0
+
+
 def report_conversion(result: Any, next_step: str) -> None:
     """What a conversion wrote, its notes, and what to do next."""
     print(f"wrote {result.out_dir}: {', '.join(result.files)}")
@@ -41,7 +54,7 @@ def report_conversion(result: Any, next_step: str) -> None:
 
 
 def add_hf_commands(sub: Any) -> None:
-    """The export-hf / import-hf commands (Hugging Face GPT-2 and Llama-family folders)."""
+    """The export-hf / import-hf commands (Hugging Face GPT-2 and Llama-family folders) and export-gguf."""
     ex = sub.add_parser(
         "export-hf", help="write a run as a Hugging Face GPT-2, Llama or Qwen2 folder",
         description="Write a run's best checkpoint as OUT_DIR/config.json and model.safetensors, which "
@@ -75,3 +88,19 @@ def add_hf_commands(sub: Any) -> None:
     im.add_argument("hf_dir", help="folder written by save_pretrained")
     im.add_argument("out_dir", help="new or empty run folder to write")
     im.set_defaults(func=cmd_import_hf)
+
+    gg = sub.add_parser(
+        "export-gguf", help="write a run as a GGUF file for llama.cpp, Ollama and LM Studio",
+        description="Write a run's best checkpoint as one GGUF file with its byte-level tokenizer and chat "
+        "template in the metadata. GPT-2-shaped models (learned positions, layernorm, the tanh gelu, "
+        "pre-norm, tied head) use llama.cpp's gpt2 graph; Llama-shaped ones (rope, rmsnorm, swiglu, "
+        "pre-norm, no biases, any n_kv_head) its llama graph, or qwen2 with --qkv-bias. What llama.cpp "
+        "cannot compute as gptlab does (gelu_exact, post-norm, sinusoidal positions, a char tokenizer, ...) "
+        "is refused with the nearest setting that exports. f32 keeps every weight bit for bit; f16 and q8_0 "
+        "keep norms and biases in f32.",
+    )
+    gg.add_argument("run", help="run folder or checkpoint file")
+    gg.add_argument("--out", required=True, help="the .gguf file to write")
+    gg.add_argument("--type", default="f32", choices=("f32", "f16", "q8_0"),
+                    help="weight type of the matrices (default f32: exact)")
+    gg.set_defaults(func=cmd_export_gguf)

@@ -4,7 +4,9 @@ Routes: `GET /` (the playground page), `GET /v1/models`, `POST /v1/completions` 
 `POST /v1/chat/completions` (`chat`: the conversation rendered with the run's chat template), both
 streamed as server-sent events, one chunk per token, ending with `data: [DONE]`; usage in a last chunk
 only with `stream_options: {"include_usage": true}`, as OpenAI does; and `POST /v1/attention` (the
-attention weights the playground shows, from `gptlab.inspection`).
+attention weights the playground shows, from `gptlab.inspection`). For lm-eval's `local-completions`
+model, a completion may echo its prompt with the prompt tokens' logprobs, and vLLM's tokenizer routes
+answer its remote tokenizer: `GET /tokenizer_info`, `POST /tokenize` and `POST /detokenize`.
 
 Request bodies are read here rather than by FastAPI, so that every refusal is one of OpenAI's error
 objects with a 4xx status and the field named: a body that is not `Content-Type: application/json` is
@@ -46,7 +48,9 @@ from gptlab.serve.schemas import (
     AttentionRequest,
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Limits,
+    TokenizeRequest,
     parse,
     with_defaults,
 )
@@ -112,7 +116,7 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
         authorize(request, served)
         body = with_defaults(parse(CompletionRequest, await read_json(request)), served.defaults)
         check_model(body.model, served)
-        return await respond(start_completion(body, served), body.stream, request)
+        return await respond(await start_completion(body, served), body.stream, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
@@ -120,6 +124,34 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
         body = with_defaults(parse(ChatRequest, await read_json(request)), served.defaults)
         check_model(body.model, served)
         return await respond(start_chat(body, served, chat), body.stream, request)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> dict[str, Any]:
+        authorize(request, served)
+        return tokenizer_card(served)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        authorize(request, served)
+        body = parse(TokenizeRequest, await read_json(request))
+        check_model(body.model, served)
+        try:
+            ids = tokenizer.encode(body.prompt) if body.add_special_tokens else \
+                tokenizer.encode_array(body.prompt).tolist()
+        except ValueError as err:
+            raise APIError(400, f"prompt: {err}", "prompt", "unencodable_prompt") from None
+        return {"count": len(ids), "max_model_len": served.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        authorize(request, served)
+        body = parse(DetokenizeRequest, await read_json(request))
+        check_model(body.model, served)
+        bad = next((i for i in body.tokens if not 0 <= i < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside this model's vocabulary of "
+                           f"{tokenizer.vocab_size} tokens", "tokens", "invalid_token")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/attention")
     async def attention(request: Request) -> dict[str, Any]:
@@ -181,6 +213,15 @@ def check_model(name: str | None, served: Served) -> None:
     if name is not None and name != served.name:
         raise APIError(404, f"model {name!r} does not exist: this server serves {served.name!r}",
                        "model", "model_not_found")
+
+
+def tokenizer_card(served: Served) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the special tokens' text (lm-eval reads eos_token to stop generations)."""
+    tokenizer = served.tokenizer
+    bos_id = getattr(tokenizer, "bos_id", None)  # only an imported tokenizer has a BOS
+    return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": served.max_context,
+            "eos_token": None if tokenizer.eot_id is None else tokenizer.decode([tokenizer.eot_id]),
+            "bos_token": None if bos_id is None else tokenizer.decode([bos_id]), "pad_token": None}
 
 
 def model_card(served: Served) -> dict[str, Any]:

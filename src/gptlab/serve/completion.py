@@ -1,6 +1,11 @@
 """One completion request on its way through the server: its prompts checked and encoded, its rows
 queued on the decode thread, and their events turned into OpenAI's JSON, streamed or whole.
 
+With `echo` the prompt comes back before the completion, and with `logprobs` its own tokens' log-probabilities
+too (`prompt_logprobs`: one forward pass on the decode thread), as OpenAI's completions API did and as
+lm-eval's `local-completions` model scores a continuation: `token_logprobs[0]` is null, as nothing predicts
+the first token. A prompt may be token ids, kept as they are.
+
 Per-token text (`logprobs.tokens`, the keys of `top_logprobs`) is each token's own bytes; a token that
 is part of a character is written as OpenAI writes it, `bytes:\\xc3` (`token_text`).
 """
@@ -16,6 +21,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from gptlab.config import SamplingConfig
 from gptlab.model import GPT
@@ -51,10 +58,18 @@ class Served:
         return self.limits.max_context or self.model.config.block_size
 
 
-def encode_prompt(text: str, served: Served, param: str, max_tokens: int) -> list[int]:
-    """The token ids of a prompt, or a 400 when the tokenizer cannot encode it or it does not fit."""
+def encode_prompt(prompt: str | list[int], served: Served, param: str, max_tokens: int) -> list[int]:
+    """The token ids of a prompt (text, or ids already), or a 400 when the tokenizer cannot encode it, an
+    id is outside the vocabulary or it does not fit."""
+    if not isinstance(prompt, str):
+        vocab = served.tokenizer.vocab_size
+        bad = next((i for i in prompt if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{param} holds token id {bad}, outside this model's vocabulary of {vocab} "
+                           "tokens: encode the prompt with this server's /tokenize", param, "invalid_token")
+        return check_prompt(list(prompt), served, param, max_tokens)
     try:
-        ids = served.tokenizer.encode(text)
+        ids = served.tokenizer.encode(prompt)
     except ValueError as err:
         raise APIError(400, f"{param}: {err}", param, "unencodable_prompt") from None
     return check_prompt(ids, served, param, max_tokens)
@@ -78,16 +93,50 @@ def check_prompt(ids: list[int], served: Served, param: str, max_tokens: int) ->
     return ids
 
 
-def start_completion(body: CompletionRequest, served: Served) -> Completion:
-    """Validate every choice, then queue them all on the decode thread (nothing is queued on a 400)."""
+async def start_completion(body: CompletionRequest, served: Served) -> Completion:
+    """Validate every choice, score the prompts when echoed, then queue every choice on the decode thread
+    (nothing is queued on a 400)."""
     prompts = body.prompts
     check_choices(len(prompts) * body.n, served)
     sampling = sampling_config(body, body.seed, served.limits)
-    encoded = [encode_prompt(p, served, "prompt" if isinstance(body.prompt, str) else f"prompt[{i}]",
-                             sampling.max_new_tokens) for i, p in enumerate(prompts)]
-    job = Completion(body, served, prompts, sum(map(len, encoded)))
+    single = len(prompts) == 1 and body.prompt is prompts[0]
+    encoded = [encode_prompt(p, served, "prompt" if single else f"prompt[{i}]", sampling.max_new_tokens)
+               for i, p in enumerate(prompts)]
+    texts = [p if isinstance(p, str) else served.tokenizer.decode(ids)
+             for p, ids in zip(prompts, encoded, strict=True)]
+    echoes = None
+    if body.echo:
+        top = body.logprobs_count()
+        echoes = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}] * len(encoded)
+        if top is not None:  # on the decode thread, between two steps, as nothing else may use the model
+            echoes = await asyncio.wrap_future(served.scheduler.call(
+                lambda: [prompt_logprobs(served.model, served.tokenizer, ids, top) for ids in encoded]))
+    job = Completion(body, served, texts, sum(map(len, encoded)), echoes)
     queue_rows(job, encoded, sampling)
     return job
+
+
+def prompt_logprobs(model: GPT, tokenizer: Tokenizer, ids: list[int], top: int) -> dict[str, list]:
+    """OpenAI's logprobs of a prompt's own tokens: each one's log-probability given those before it (null
+    for the first) and the `top` likeliest tokens in its place, under the raw softmax, as for generated
+    tokens."""
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits, _ = model(torch.tensor([ids], device=device))  # (1, T, V)
+    logp = logits[0, :-1].float().log_softmax(-1)  # (T-1, V): row i predicts token i+1
+    chosen = logp.gather(1, torch.tensor(ids[1:], device=device)[:, None])[:, 0].tolist()  # (T-1,)
+    # the likeliest among the tokenizer's ids: a vocabulary padded past them has no text for the rest
+    known = logp[:, :tokenizer.vocab_size]  # (T-1, tokenizer's V)
+    best_lp, best_ids = known.topk(min(top, tokenizer.vocab_size), dim=-1)  # (T-1, top) each
+    pieces = [tokenizer.token_bytes(t) for t in ids]
+    utf8, offsets, offset = codecs.getincrementaldecoder("utf-8")("replace"), [], 0
+    for piece in pieces:  # a piece of a character moves the offset only once the character is whole
+        offsets.append(offset)
+        offset += len(utf8.decode(piece))
+    tops = [{token_text(tokenizer.token_bytes(t)): finite(lp) for t, lp in zip(row_ids, row_lp, strict=True)}
+            for row_ids, row_lp in zip(best_ids.tolist(), best_lp.tolist(), strict=True)]
+    return {"tokens": [token_text(p) for p in pieces], "token_logprobs": [None, *map(finite, chosen)],
+            "top_logprobs": [None, *tops], "text_offset": offsets}
 
 
 def check_choices(choices: int, served: Served) -> None:
@@ -134,8 +183,9 @@ class Completion:
     ID_PREFIX = "cmpl"
 
     def __init__(self, body: SamplingRequest, served: Served, prompts: list[str],
-                 prompt_tokens: int) -> None:
-        self.body, self.served, self.prompts = body, served, prompts
+                 prompt_tokens: int, echoes: list[dict[str, list]] | None = None) -> None:
+        """`echoes`: per prompt, its own tokens' logprobs, to come before the completion's (None: no echo)."""
+        self.body, self.served, self.prompts, self.echoes = body, served, prompts, echoes
         self.choices = len(prompts) * body.n
         self.prompt_tokens = prompt_tokens
         self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
@@ -253,6 +303,10 @@ class Completion:
         """The whole completion; a client that disconnects first cancels its rows."""
         watcher = asyncio.create_task(self.watch(request))
         texts, logprobs = [""] * self.choices, [self.empty_logprobs() for _ in range(self.choices)]
+        if self.echoes is not None:  # the prompt first, and its tokens' logprobs
+            n = self.body.n
+            texts = [self.prompts[i // n] for i in range(self.choices)]
+            logprobs = [{k: list(v) for k, v in self.echoes[i // n].items()} for i in range(self.choices)]
         reasons: list[str | None] = [None] * self.choices
         completion_tokens = 0
         try:

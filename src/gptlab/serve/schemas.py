@@ -7,8 +7,11 @@ adds its own limits (`Limits`: max_tokens, stop strings, the context, the queue)
 `APIError`: an HTTP status and OpenAI's error object `{"error": {"message", "type", "param", "code"}}`,
 naming the field.
 
-Fields OpenAI defines that gptlab cannot honour (echo, suffix, penalties, logit_bias) are accepted
-at their neutral values, so clients that always send them work, and refused otherwise.
+Fields OpenAI defines that gptlab cannot honour (suffix, penalties, logit_bias, echo when streamed) are
+accepted at their neutral values, so clients that always send them work, and refused otherwise. A prompt
+may be text or token ids, as OpenAI's completions API allows (lm-eval sends ids). `TokenizeRequest` and
+`DetokenizeRequest` are the bodies of vLLM's /tokenize and /detokenize, which lm-eval's remote tokenizer
+calls.
 """
 
 from __future__ import annotations
@@ -110,7 +113,7 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     """The body of POST /v1/completions (OpenAI's legacy completions API, plus top_k)."""
 
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, one prompt or a batch
     max_tokens: int = 16  # OpenAI's default
     logprobs: int | None = None
     echo: bool = False
@@ -118,8 +121,12 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the batch, as text or as token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]  # type: ignore[list-item]  (one prompt: a string or a list of ids)
+        return list(prompt)  # type: ignore[arg-type]
 
     @property
     def token_limit(self) -> tuple[int | None, str]:
@@ -130,12 +137,12 @@ class CompletionRequest(SamplingRequest):
 
     def refusals(self) -> list[tuple[str, bool, str]]:
         return [
-            ("echo", self.echo, "echo is not supported: the completion never repeats the prompt"),
+            ("echo", self.echo and self.stream, "echo is not supported with stream: ask without stream"),
             ("suffix", self.suffix is not None, "suffix (insertion) is not supported"),
             ("best_of", self.best_of not in (None, 1, self.n), "best_of must equal n"),
             ("logprobs", self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs={self.logprobs} must be in 0..{MAX_LOGPROBS}"),
-            ("prompt", not self.prompts, "prompt must hold at least one string"),
+            ("prompt", not self.prompts, "prompt must hold at least one prompt"),
         ]
 
 
@@ -206,6 +213,26 @@ class AttentionRequest(BaseModel):
     layer: int = 0
     head: int = 0
     messages: list[ChatMessage] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """The body of POST /tokenize (vLLM's): a text to encode, with the special tokens a prompt gets (an
+    imported tokenizer's BOS) or, by default as lm-eval asks, without them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str
+    model: str | None = None
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """The body of POST /detokenize (vLLM's): token ids to decode."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tokens: list[int]
+    model: str | None = None
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:
