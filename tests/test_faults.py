@@ -75,9 +75,10 @@ def wait_for(condition: Callable[[], bool], seconds: float = 60) -> None:
 
 
 def long_run(data_dir: Path, run: Path, *extra: str) -> subprocess.Popen:
-    """`gptlab train` on the tiny preset for far more steps than a test waits for."""
+    """`gptlab train` on the tiny preset for far more steps than a test waits for; it evaluates (and so
+    saves `last`) at step 0 and then not again for as long as a test waits."""
     return gptlab_process("train", "--data", str(data_dir), "--out", str(run), "--preset", "tiny",
-                          "--max-steps", "100000", "--eval-interval", "100000", "--no-progress",
+                          "--max-steps", "100000", "--eval-interval", "50000", "--no-progress",
                           "--device", "cpu", "--samples", "0", *extra)
 
 
@@ -240,7 +241,7 @@ class Killed(BaseException):
 def test_a_crash_between_evaluations_resumes_exactly_from_the_time_based_save(
         data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = MODEL.replace(dropout=0.1)  # so the saved random state matters
-    often = TRAIN.replace(max_steps=8, eval_interval=100, save_every=1e-9)  # evaluations at 0 and 8 only
+    often = TRAIN.replace(max_steps=8, eval_interval=7, save_every=1e-9)  # evaluations at 0, 7 and 8
     step = Trainer.train_step
 
     def crash_before_step_7(trainer: Trainer, *args: bool) -> StepResult:

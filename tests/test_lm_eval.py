@@ -140,6 +140,8 @@ def check_agreement(tiny: Tiny, samples: list[dict[str, Any]]) -> None:
     for name, ours in references(tiny).items():
         assert_close(torch.tensor(theirs, dtype=torch.float64), torch.tensor(ours, dtype=torch.float64),
                      rtol=0, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        gap = max(abs(a - b) for a, b in zip(theirs, ours, strict=True))
+        print(f"lm-eval against {name}: {len(theirs)} log-likelihoods, largest difference {gap:.2e}")  # -s
     ours, start = forward_pass_loglikelihoods(tiny), 0
     for doc, sample in zip(DOCS, samples, strict=True):
         scores = ours[start:start + len(doc["choices"])]

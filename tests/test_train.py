@@ -9,13 +9,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch.testing import assert_close
 
-from conftest import assert_identical_runs
+from conftest import SAT_LINES, assert_identical_runs
 from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run, save_checkpoint
 from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.data import prepare
@@ -31,14 +32,21 @@ TRAIN = TrainConfig(batch_size=8, max_steps=40, lr=3e-3, min_lr=3e-4, warmup_ste
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def data_dir(char_corpus: Callable[[str], Path]) -> Path:
     """A prepared character corpus with obvious structure, so a tiny model learns it in 40 steps."""
-    root = tmp_path_factory.mktemp("corpus")
-    lines = [f"{name} sat on the {place}." for name in ("the cat", "a dog", "my bird") for place in
-             ("mat", "rug", "chair", "step")]
-    (root / "text.txt").write_text("\n".join(lines * 60), encoding="utf-8")
-    prepare(str(root / "text.txt"), root / "data", tokenizer="char", progress=False)
-    return root / "data"
+    return char_corpus("\n".join(SAT_LINES * 60))
+
+
+def test_a_run_that_evaluates_only_at_its_end_skips_the_untrained_baseline(data_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """A timed recipe (eval_interval >= max_steps) evaluates once, after its last step; a run with a curve
+    to draw still starts it at step 0."""
+    train(tmp_path / "end", data_dir, MODEL, TRAIN.replace(max_steps=4, eval_interval=4), progress=False)
+    steps = [row.split(",")[0] for row in (tmp_path / "end" / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == ["4"]
+    train(tmp_path / "curve", data_dir, MODEL, TRAIN.replace(max_steps=4, eval_interval=2), progress=False)
+    steps = [row.split(",")[0] for row in (tmp_path / "curve" / "metrics.csv").read_text().splitlines()[1:]]
+    assert steps == ["0", "2", "4"]
 
 
 @pytest.mark.slow  # trains 40 steps

@@ -146,7 +146,8 @@ def fused_and_separate(attn: M.CausalSelfAttention,
     biases = attn.c_attn.bias.split(attn.widths) if attn.c_attn.bias is not None else (None,) * 3
     separate = [F.linear(x, weight, bias).view(B, T, -1, D // H).transpose(1, 2)  # (B, H or Hkv, T, hs)
                 for weight, bias in zip(attn.c_attn.weight.split(attn.widths), biases, strict=True)]
-    separate[:2] = [attn.rotate(t) for t in separate[:2]]  # RoPE turns queries and keys, not values
+    norms = (attn.q_norm, attn.k_norm)  # qk_norm's RMSNorms (identities when off), before RoPE as in model.py
+    separate[:2] = [attn.rotate(norm(t)) for norm, t in zip(norms, separate[:2], strict=True)]  # not values
     mask = M.causal_mask(T, T, x.device) if attn.causal else None
     q, k, v = separate
     heads = [M.attention(q[:, h], k[:, h // group], v[:, h // group], mask)[0]  # H x (B, T, hs)

@@ -59,7 +59,10 @@ def cpu_has_bf16_matmul() -> bool:
 
 
 def resolve_precision(precision: str, device: torch.device, n_embd: int) -> torch.dtype:
-    """The autocast dtype for `precision` (auto, float32, bfloat16) on this device and model width."""
+    """The autocast dtype for `precision` (auto, float32, bfloat16) on this device and model width.
+
+    Here "auto" is a fixed width rule, the fallback where nothing was measured: a new run resolves "auto"
+    by timing both precisions (gptlab.machine) and hands a concrete value on."""
     if precision == "float32":
         return torch.float32
     if precision == "bfloat16":

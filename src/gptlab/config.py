@@ -147,6 +147,18 @@ class ModelConfig(Config):
     causal: bool = option(True, "mask the future in every block (§7.3); off only for demos and encoders")
     norm_eps: float = option(1e-5, "epsilon inside the norms")
     rope_base: float = option(10000.0, "RoPE frequency base")
+    # Options borrowed from the GPU speedrun (modded-nanogpt), each off by default; see model.py.
+    qk_norm: bool = option(False, "RMS-normalise each head's queries and keys over the head features, with a "
+                           "learned gain per feature (one for queries, one for keys), before RoPE and the "
+                           "scores (a departure from §4)")
+    logit_softcap: float = option(0.0, "when > 0, the logits become cap * tanh(logits / cap), squashed into "
+                                  "(-cap, cap) smoothly, for the loss and for generation (0: off)")
+    zero_init: bool = option(False, "initialise the projections into the residual stream (attention's and "
+                             "the FFN's c_proj) to zero, so every pre-norm block starts as the identity "
+                             "(default: GPT-2's normal init scaled by depth)")
+    unet: bool = option(False, "U-net skips: the stream after each block of the first half is added back, "
+                        "last kept first, before the mirror block of the second half, times a learned "
+                        "weight that starts at 1 (an odd middle block gets none)")
 
     def validate(self) -> None:
         owner = "ModelConfig"
@@ -182,6 +194,9 @@ class ModelConfig(Config):
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{owner}.dropout={self.dropout} must be in [0, 1)")
+        if self.logit_softcap < 0:
+            raise ValueError(f"{owner}.logit_softcap={self.logit_softcap} must be >= 0: a cap such as 30, "
+                             "or 0 for no cap")
         if self.ffn_hidden < 1:
             raise ValueError(
                 f"{owner}.ffn_mult={self.ffn_mult} gives no feed-forward units at n_embd={self.n_embd}"
@@ -211,6 +226,7 @@ class ModelConfig(Config):
 PRECISIONS = ("auto", "float32", "bfloat16")
 PARALLEL = ("ddp", "fsdp")
 OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "trapezoid")
 LOGS = ("tensorboard", "wandb")
 
 
@@ -222,13 +238,26 @@ class TrainConfig(Config):
     grad_accum: int = option(1, "micro-batches summed into one optimiser step")
     max_steps: int = option(2000, "optimiser steps (with --resume: a larger value extends a run)")
     lr: float = option(1e-3, "peak learning rate (AdamW)")
-    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay")
+    min_lr: float = option(1e-4, "learning rate at the end of the decay")
     warmup_steps: int = option(100, "steps of linear warm-up from 0 to lr")
-    decay_steps: int | None = option(None, "the cosine reaches min_lr at this step and stays there "
+    decay_steps: int | None = option(None, "the decay reaches min_lr at this step and stays there "
                                      "(default: max_steps; extending a run keeps its first max_steps)")
+    schedule: str = option("cosine", "after the warm-up: a cosine decay to min_lr at decay_steps, or "
+                           "trapezoid: constant at lr, then a linear cool-down to min_lr over the last "
+                           "--cooldown of decay_steps", SCHEDULES)
+    cooldown: float = option(0.2, "the trapezoid's cool-down, as a fraction of decay_steps, in [0, 1]")
+    batch_warmup: int = option(0, "grow the sequences per micro-batch linearly from a quarter of batch_size "
+                               "to batch_size over this many steps (0: off)")
+    seq_warmup: int = option(0, "grow the training window linearly from 16 tokens to block_size, in steps "
+                             "of 16, over this many steps (0: off; text runs only: a task's examples "
+                             "have their own lengths)")
     optimizer: str = option("adamw", "adamw everywhere, or muon for the blocks' weight matrices and adamw "
                             "for the rest (embeddings, head, norms, biases)", OPTIMIZERS)
     muon_lr: float = option(0.04, "peak learning rate of muon's matrices (with --optimizer muon)")
+    muon_nesterov: bool = option(True, "muon orthogonalises the Nesterov look-ahead of its momentum rather "
+                                 "than the momentum itself, as torch.optim.Muon does by default")
+    muon_ns_steps: int = option(5, "muon's Newton-Schulz iterations per update (torch.optim.Muon's default "
+                                "is 5; fewer are cheaper and less exactly orthogonal)")
     weight_decay: float = option(0.1, "AdamW weight decay, on matrices only (not biases, norms)")
     beta1: float = option(0.9, "AdamW beta1")
     beta2: float = option(0.99, "AdamW beta2")
@@ -236,7 +265,9 @@ class TrainConfig(Config):
     eval_interval: int = option(250, "evaluate on the held-out split every this many steps")
     eval_batches: int = option(20, "micro-batches per evaluation")
     seed: int = option(1337, "seed for initialisation, batches and dropout")
-    precision: str = option("auto", "matmul precision: auto picks bfloat16 where it is faster", PRECISIONS)
+    precision: str = option("auto", "matmul precision: auto times a few steps in float32 and in bfloat16 "
+                            "when a new run starts (on a CPU with native bfloat16; bfloat16 on a GPU that "
+                            "has it) and saves the faster in the run's config.json", PRECISIONS)
     compile: bool = option(False, "wrap the model in torch.compile")
     device: str = option("auto", "cpu, cuda, cuda:N, mps, or auto")
     save_every: float = option(60.0, "also save last.safetensors after this many seconds of training since "
@@ -271,10 +302,14 @@ class TrainConfig(Config):
             check_choice(owner, "log", name, LOGS)
         if len(set(self.log)) < len(self.log):
             raise ValueError(f"{owner}.log={list(self.log)} names a destination twice: name each once")
-        check_positive(owner, muon_lr=self.muon_lr)
+        check_positive(owner, muon_lr=self.muon_lr, muon_ns_steps=self.muon_ns_steps)
+        check_choice(owner, "schedule", self.schedule, SCHEDULES)
+        if not 0.0 <= self.cooldown <= 1.0:
+            raise ValueError(f"{owner}.cooldown={self.cooldown} must be in [0, 1]: a fraction of decay_steps")
         if self.decay_steps is not None:
             check_positive(owner, decay_steps=self.decay_steps)
-        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "save_every"):
+        for name in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "save_every", "batch_warmup",
+                     "seq_warmup"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{owner}.{name}={getattr(self, name)} must not be negative")
         if self.min_lr > self.lr:
@@ -302,6 +337,10 @@ class Seq2SeqConfig(ModelConfig):
         if not self.causal:
             raise ValueError("Seq2SeqConfig.causal=False: the decoder must stay causal; only the encoder "
                              "is unmasked, and it is by construction")
+        for name in ("unet", "logit_softcap"):
+            if getattr(self, name):
+                raise ValueError(f"Seq2SeqConfig.{name}={getattr(self, name)!r}: this option is offered for "
+                                 "the GPT only; leave it out")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"Seq2SeqConfig.pad_id={self.pad_id} is outside the vocabulary "
                              f"0..{self.vocab_size - 1}")

@@ -90,9 +90,10 @@ GPT2_DEFAULTS: dict[str, Any] = {
     "add_cross_attention": False, "tie_word_embeddings": True,
 }
 # What GPT-2 needs of a gptlab ModelConfig (ffn_mult is free: it becomes n_inner; biases are free: a
-# model without them exports zeros, which add nothing).
+# model without them exports zeros, which add nothing; so is zero_init, which changes only the start).
 GPT2_NEEDS: dict[str, Any] = {
     "positions": "learned", "norm": "layernorm", "arrangement": "pre", "tied": True, "causal": True,
+    "qk_norm": False, "logit_softcap": 0.0, "unet": False,
 }
 # gptlab's GELUs as GPT-2's config names them: the tanh form is `gelu_new`, the erf form `gelu`.
 GPT2_ACTIVATIONS = {"gelu": "gelu_new", "gelu_exact": "gelu"}

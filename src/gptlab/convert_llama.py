@@ -24,10 +24,11 @@ from gptlab.config import ModelConfig
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
-# What a Llama needs of a gptlab ModelConfig (n_kv_head, rope_base, tying and widths are free).
+# What a Llama needs of a gptlab ModelConfig (n_kv_head, rope_base, tying, widths and zero_init, which
+# changes only the start, are free).
 LLAMA_NEEDS: dict[str, Any] = {
     "positions": "rope", "norm": "rmsnorm", "ffn": "swiglu", "arrangement": "pre", "bias": False,
-    "causal": True,
+    "causal": True, "qk_norm": False, "logit_softcap": 0.0, "unet": False,
 }
 # Defaults of transformers' LlamaConfig and Qwen2Config, for config.json files that leave a field out.
 DEFAULTS: dict[str, dict[str, Any]] = {

@@ -16,6 +16,13 @@ Deliberate choices:
 - Post-norm models end with the last block's norm, so they have no extra final norm.
 - Position schemes take explicit positions (default 0..T-1), so generation can continue a sequence
   from a KV cache (§7.1, handout #12, `gptlab.cache`) at any offset; the cache supplies the mask.
+
+Four options borrowed from the GPU speedrun (Keller Jordan's modded-nanogpt), each off by default:
+- `qk_norm`: each head's queries and keys are RMS-normalised over their hs features (gains shared by
+  the heads) and only then rotated by RoPE, so the scores are bounded by the gains, not the weights.
+- `logit_softcap`: logits cap * tanh(logits / cap) (also Gemma 2's), for the loss and for sampling.
+- `zero_init`: attention's and the FFN's W_O start at zero, so a pre-norm block starts as the identity.
+- `unet`: U-net skips across the stack; the weights start at 1, as in the speedrun (`GPT.run_blocks`).
 """
 
 from __future__ import annotations
@@ -279,6 +286,9 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, sum(self.widths), bias=config.attn_bias)  # [W_Q W_K W_V]
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)  # W_O
         self.rotate = POSITIONS[config.positions][1](config)  # RoPE turns queries and keys; others pass
+        # qk_norm: RMSNorm over each head's hs features, one gain (hs,) for all heads, initialised to 1.
+        self.q_norm = nn.RMSNorm(hs, eps=config.norm_eps) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(hs, eps=config.norm_eps) if config.qk_norm else nn.Identity()
         self.kernel = KERNELS[config.attention]
         # Only the lab's demonstrations and encoders switch this off (§7.3).
         self.causal = config.causal
@@ -291,6 +301,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(self.widths, dim=2)  # one matmul, three groups
         q = split_heads(q, self.n_head)  # (B, H, T, hs)
         k, v = split_heads(k, self.n_kv_head), split_heads(v, self.n_kv_head)  # (B, Hkv, T, hs) each
+        q, k = self.q_norm(q), self.k_norm(k)  # qk_norm: normalise, then rotate; the cache holds these keys
         return self.rotate(q, positions), self.rotate(k, positions), v
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
@@ -362,6 +373,17 @@ def residual_stack(config: ModelConfig, blocks: list[nn.Module], **first: nn.Mod
     ))
 
 
+class SoftCap(nn.Module):
+    """cap * tanh(logits / cap): close to the identity for small logits, smoothly bounded by +-cap."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:  # (..., V) -> same
+        return self.cap * torch.tanh(logits / self.cap)
+
+
 class LanguageModel(nn.Module):
     """What the GPT and the encoder-decoder share: input rows, the vocabulary head, GPT-2's init."""
 
@@ -377,8 +399,11 @@ class LanguageModel(nn.Module):
         self.apply(init_weights)
         # GPT-2 scales the projections that write into the residual stream by depth, so the
         # stream's variance does not grow with the number of blocks.
+        # zero_init starts them at zero instead (the speedrun's choice): blocks first add nothing.
         for name, param in self.named_parameters():
-            if name.endswith("c_proj.weight"):
+            if name.endswith("c_proj.weight") and self.config.zero_init:
+                nn.init.zeros_(param)
+            elif name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * depth))
 
     def input_rows(self, stack: nn.ModuleDict, wte: nn.Embedding, idx: torch.Tensor,
@@ -404,20 +429,46 @@ class GPT(LanguageModel):
         super().__init__(config)
         wte = nn.Embedding(config.vocab_size, config.n_embd)  # E, (V, D)
         self.transformer = residual_stack(config, [Block(config, n) for n in range(config.n_layer)], wte=wte)
+        # unet: one weight per skip, for the last n_layer // 2 blocks (an odd middle block has none).
+        self.n_skips = config.n_layer // 2 if config.unet else 0
+        if config.unet:
+            self.skip_weights = nn.Parameter(torch.ones(self.n_skips))  # (n_skips,), the speedrun's init
+        self.softcap = SoftCap(config.logit_softcap) if config.logit_softcap > 0 else nn.Identity()
         self.add_head_and_init(wte, depth=config.n_layer)
 
     def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Input rows X = E[w] + p for token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
         return self.input_rows(self.transformer, self.transformer.wte, idx, positions)
 
+    def run_blocks(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The residual stream through every block, (B, T, D) -> same.
+
+        With unet, the stream after each of the first n_skips blocks is kept, and before each of the last
+        n_skips blocks the latest kept one is taken back (last in, first out) and added, times its weight:
+        block L-1-i receives block i's output. Every step is per position, so under a KV cache the
+        new positions carry their own skips.
+        """
+        kept: list[torch.Tensor] = []  # outputs of the first n_skips blocks, each (B, T, D)
+        second_half = len(self.transformer.h) - self.n_skips
+        for n, block in enumerate(self.transformer.h):
+            if n >= second_half:
+                x = x + self.skip_weights[n - second_half] * kept.pop()
+            x = block(x, cache)
+            if n < self.n_skips:
+                kept.append(x)
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, vocabulary head and (with logit_softcap) the cap: the stream (..., D) -> (..., V)."""
+        return self.softcap(self.lm_head(self.transformer.ln_f(x)))
+
     def forward_embeddings(self, x: torch.Tensor, cache: KVCache | None = None,
                            last_only: bool = False) -> torch.Tensor:
         """Run the blocks, final norm and vocabulary head on input rows: (B, T, D) -> (B, T or 1, V)."""
-        for block in self.transformer.h:
-            x = block(x, cache)
+        x = self.run_blocks(x, cache)
         if last_only:  # generation needs only the prediction after the last token
             x = x[:, -1:]  # (B, 1, D)
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.head(x)
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
@@ -453,6 +504,7 @@ def parameter_count(config: ModelConfig) -> dict[str, int]:
     bias = int(config.bias)
     norm = {"layernorm": D + bias * D, "rmsnorm": D, "none": 0}[config.norm]
     norms_per_block = 1 if config.ffn == "none" else 2
+    qk_norms = 2 * config.head_size if config.qk_norm else 0  # one gain (hs,) for queries, one for keys
     qkv = D + 2 * config.kv_heads * config.head_size  # widths of Q, K and V: 3D unless heads are grouped
     attention = D * qkv + D * D + int(config.attn_bias) * qkv + bias * D  # W_QKV and W_O
     if config.ffn == "swiglu":
@@ -466,7 +518,8 @@ def parameter_count(config: ModelConfig) -> dict[str, int]:
         "positions": config.block_size * D if config.positions == "learned" else 0,
         "attention": L * attention,
         "feed-forward": L * ffn,
-        "norms": L * norms_per_block * norm + (norm if config.arrangement == "pre" else 0),
+        "norms": L * (norms_per_block * norm + qk_norms) + (norm if config.arrangement == "pre" else 0),
+        "skip weights": L // 2 if config.unet else 0,
         "vocabulary head": 0 if config.tied else V * D,
     }
     counts["total"] = sum(counts.values())

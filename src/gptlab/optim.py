@@ -6,15 +6,17 @@ hidden weight matrices, the nn.Linear weights inside the blocks, and AdamW on ev
 (embeddings, vocabulary head, norm gains, biases), as Muon's authors use it. On a small character
 model Muon reached a given loss in about half the steps of AdamW (measured, see presets.py).
 
-The schedule is one multiplier for every parameter group: linear warm-up, then a cosine from `lr`
-down to `min_lr` at `decay_steps` (default max_steps), then `min_lr`. Muon's groups run at
-`muon_lr` scaled by the same multiplier.
+The schedule is one multiplier for every parameter group: linear warm-up, then `schedule` down to
+`min_lr` at `decay_steps` (default max_steps), then `min_lr`. `cosine` is nanoGPT's half cosine from
+`lr`; `trapezoid` (warm-up, stable, decay: Hägele et al. 2024, "Scaling Laws and Compute-Optimal
+Training Beyond Fixed Training Durations") holds `lr` and falls linearly over the last `cooldown`
+fraction. Muon's groups run at `muon_lr` scaled by the same multiplier.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -25,13 +27,34 @@ from gptlab.model import Block
 Optimizer = torch.optim.Optimizer
 
 
-def learning_rate(step: int, config: TrainConfig) -> float:
-    """Linear warm-up to `lr`, then cosine decay to `min_lr` at `decay_steps` (default max_steps)."""
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
+def cosine(step: int, config: TrainConfig) -> float:
+    """From `lr` at the end of the warm-up down a half cosine to `min_lr` at decay_steps, then `min_lr`."""
     end = config.decay_steps or config.max_steps
     progress = min(1.0, (step - config.warmup_steps) / max(1, end - config.warmup_steps))
     return config.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (config.lr - config.min_lr)
+
+
+def trapezoid(step: int, config: TrainConfig) -> float:
+    """`lr` until the last `cooldown` fraction of decay_steps, a straight line down to `min_lr` over it,
+    then `min_lr` (a warm-up longer than the plateau ends on that line)."""
+    end = config.decay_steps or config.max_steps
+    start = end - config.cooldown * end  # where the cool-down begins (a step, or between two)
+    if step >= end:
+        return config.min_lr
+    if step <= start:
+        return config.lr
+    return config.lr + (step - start) / (end - start) * (config.min_lr - config.lr)
+
+
+# What follows the warm-up, by TrainConfig.schedule.
+SCHEDULES: dict[str, Callable[[int, TrainConfig], float]] = {"cosine": cosine, "trapezoid": trapezoid}
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up to `lr` over warmup_steps, then the `schedule` down to `min_lr` at `decay_steps`."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    return SCHEDULES[config.schedule](step, config)
 
 
 def set_learning_rate(optimizer: Optimizer | Optimizers, step: int, config: TrainConfig) -> float:
@@ -68,7 +91,8 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> Optimizer | Optimiz
     chosen = {id(p) for p in hidden}
     rest = [p for p in model.parameters() if id(p) not in chosen]
     # Keller Jordan's scaling ("original"); no weight decay on Muon's matrices.
-    muon = BatchedMuon(hidden, lr=config.muon_lr, weight_decay=0.0, adjust_lr_fn="original")
+    muon = BatchedMuon(hidden, lr=config.muon_lr, weight_decay=0.0, nesterov=config.muon_nesterov,
+                       ns_steps=config.muon_ns_steps, adjust_lr_fn="original")
     for group in muon.param_groups:
         group["lr_scale"] = config.muon_lr / config.lr
     return Optimizers(adamw(rest, config), muon)

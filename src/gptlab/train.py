@@ -1,9 +1,9 @@
 """Training with teacher forcing (§7.2): every window scores all its next tokens at once.
 
-AdamW with weight decay on matrices only, linear warm-up then cosine decay, gradient clipping and
-accumulation, bfloat16 autocast where it is faster. A run folder holds `config.json`, `metrics.csv`
-(a row per evaluation), `steps.csv` (a row per step), `loss.png`, the dashboards `--log` asks for
-(gptlab.sinks) and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
+AdamW with weight decay on matrices only, linear warm-up then a cosine or trapezoidal decay, gradient
+clipping and accumulation, bfloat16 autocast where it is faster. A run folder holds `config.json`,
+`metrics.csv` (a row per evaluation), `steps.csv` (a row per step), `loss.png`, the dashboards `--log`
+asks for (gptlab.sinks) and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
 the step and every random state, so N steps in one go and N/2 + resume + N/2 give identical weights.
 Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once. A progress
 bar is drawn only on a terminal; elsewhere (a log file, CI) the one line per evaluation is the progress.
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gptlab import distributed, sinks
+from gptlab import distributed, machine, sinks
 from gptlab.checkpoint import (
     BEST,
     LAST,
@@ -53,6 +53,7 @@ from gptlab.checkpoint import (
 )
 from gptlab.common import autocast, on_terminal, resolve_precision, seed_everything
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig, flag
+from gptlab.curriculum import batch_size_at, block_size_at
 from gptlab.data import TokenData, prepare
 from gptlab.files import RunLock, atomic_write_text, remove_stale_temporaries
 from gptlab.inspection.history import head_columns, head_metrics, head_summary
@@ -105,6 +106,12 @@ class StepResult:
     grad_norm: float  # the global gradient norm before clipping
     stop: bool
     save: bool
+
+
+def rank_rows(batch_size: int, dist: distributed.Dist) -> slice:
+    """This rank's equal share of a global batch of `batch_size` windows (a multiple of the world size)."""
+    share = batch_size // dist.world_size
+    return slice(dist.rank * share, (dist.rank + 1) * share)
 
 
 def gradient_norm(model: nn.Module) -> torch.Tensor:
@@ -213,8 +220,9 @@ class Trainer:
             raise ValueError("--optimizer muon needs whole weight matrices, which --parallel fsdp shards: "
                              "use --parallel ddp, or --optimizer adamw")
         sinks.check_installed(train_config.log)  # a missing package stops every rank before any work
-        share = train_config.batch_size // dist.world_size
-        self.rows = slice(dist.rank * share, (dist.rank + 1) * share)  # this rank's windows
+        if train_config.seq_warmup and architecture(config) != "decoder":
+            raise ValueError("--seq-warmup grows the windows of text runs; a task's examples have their own "
+                             "lengths: leave it at 0 for seq2seq runs")
         self.dtype = resolve_precision(train_config.precision, device, config.n_embd)
         seed_everything(train_config.seed)
         if model is None:
@@ -286,13 +294,16 @@ class Trainer:
         # The step's loss is the mean over every scored target of its micro-batches, on all ranks.
         # Padded (seq2seq) batches score different numbers of targets per slice, so each slice's mean
         # is weighted by its share of them; DDP's averaging over ranks is undone by the world size.
-        batches = [self.data.get_batch("train", cfg.batch_size, self.config.block_size, self.batches)
-                   for _ in range(cfg.grad_accum)]
+        # batch_size and block_size, or smaller during --batch-warmup / --seq-warmup: the step decides.
+        size = batch_size_at(self.step, cfg, self.dist.world_size)
+        window = block_size_at(self.step, cfg, self.config.block_size)
+        batches = [self.data.get_batch("train", size, window, self.batches) for _ in range(cfg.grad_accum)]
+        rows = rank_rows(size, self.dist)  # this rank's windows of this step's batch
         scored = sum(int((batch[-1] != -1).sum()) for batch in batches)  # over every rank's rows
         self.tokens_seen += scored
         total = 0.0
         for micro, batch in enumerate(batches):
-            batch = [t[self.rows].to(self.device) for t in batch]  # this rank's share
+            batch = [t[rows].to(self.device) for t in batch]  # this rank's share
             share = int((batch[-1] != -1).sum()) / scored
             with distributed.gradient_sync(self.model, micro == cfg.grad_accum - 1):
                 with autocast(self.device, self.dtype):
@@ -404,8 +415,10 @@ class Trainer:
         stopping = False
         with StopOnInterrupt() as stop, tqdm(total=max_steps, initial=self.step, unit="step",
                                              disable=not self.progress, dynamic_ncols=True) as bar:
-            if self.step == 0:
-                self.evaluate_and_save()  # the untrained baseline, so the curve starts at step 0
+            if self.step == 0 and (self.train_config.eval_interval < max_steps or end == 0):
+                # The untrained baseline, so the curve starts at step 0; a run that evaluates only at its
+                # end (a timed recipe) has no curve to start and skips it, unless it stops right here.
+                self.evaluate_and_save()
             while self.step < end and not stopping and not self.out_of_patience():
                 started, tokens = time.perf_counter(), self.tokens_seen
                 result = self.train_step(stop.requested, self.save_due())
@@ -533,21 +546,49 @@ def is_run_folder(path: Path) -> bool:
 def start_run(run_dir: Path, data: TrainingData, model_config: ModelConfig, train_config: TrainConfig,
               dist: distributed.Dist, device: torch.device, stop_at: int | None, progress: bool,
               init_from: Checkpoint | None = None) -> TrainResult:
-    """Check the window, write config.json (rank 0), and train."""
+    """Check the window, decide what depends on this machine, write config.json (rank 0), and train."""
     data.check_window(model_config.block_size)
+    train_config, machine_record = decide_for_machine(model_config, train_config, dist, device)
     if dist.is_main:
-        write_run_config(run_dir, model_config, train_config, data)
+        write_run_config(run_dir, model_config, train_config, data, machine_record)
     trainer = Trainer(run_dir, data, model_config, train_config, dist, device, progress=progress,
                       init_from=init_from)
     return trainer.run(stop_at)
 
 
+def decide_for_machine(model_config: ModelConfig, train_config: TrainConfig, dist: distributed.Dist,
+                       device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
+    """A new run's precision made concrete (an "auto" is probed once, on rank 0, and every rank takes its
+    answer), the decisions line logged, and config.json's "machine" entry (gptlab.machine)."""
+    auto = train_config.precision == "auto"
+    rows = max(1, train_config.batch_size // dist.world_size)  # one rank's micro-batch
+    precision = machine.Decision("precision", "", "rank 0 decides")  # logged and saved by rank 0 only
+    if dist.is_main:
+        precision = machine.decide_precision(train_config.precision, device, model_config, rows)
+    if auto:
+        bfloat16 = float(precision.value == "bfloat16")
+        shared = distributed.all_reduce_sum([bfloat16], device)[0] > 0  # rank 0's answer, on every rank
+        train_config = train_config.replace(precision="bfloat16" if shared else "float32")
+    decisions = [precision, machine.decide_threads()]
+    log.info(machine.describe(decisions, auto))  # rank 0's line: the others log warnings only
+    return train_config, machine.record(decisions)
+
+
 def write_run_config(run_dir: Path, model_config: ModelConfig, train_config: TrainConfig,
-                     data: TrainingData) -> None:
-    """The resolved settings as readable JSON beside the checkpoints."""
+                     data: TrainingData, machine_record: dict[str, Any] | None = None) -> None:
+    """The resolved settings as readable JSON beside the checkpoints, with what was decided for the
+    machine the run started on (`machine_record`, when known)."""
     resolved = {"model": model_config.to_dict(), "train": train_config.to_dict(),
-                **portable(data.state(), run_dir)}
+                **({"machine": machine_record} if machine_record else {}), **portable(data.state(), run_dir)}
     atomic_write_text(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+
+
+def saved_machine(run_dir: Path) -> dict[str, Any] | None:
+    """The "machine" entry of a run's config.json, kept when a resumed run rewrites the file."""
+    try:
+        return json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("machine")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 # What `resume` may change: how long the run goes on, where it runs and where its metrics go, never
@@ -582,7 +623,8 @@ def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = 
         if train_config != checkpoint.train_config or data is not None:
             checkpoint.train_config = train_config
             if distributed.this_process().is_main:
-                write_run_config(run_dir, checkpoint.model_config, train_config, source)
+                write_run_config(run_dir, checkpoint.model_config, train_config, source,
+                                 saved_machine(run_dir))
         with distributed.session(train_config.device) as (dist, device):
             trainer = Trainer(run_dir, source, checkpoint.model_config, train_config, dist, device,
                               checkpoint, progress)

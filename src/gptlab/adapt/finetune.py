@@ -51,10 +51,12 @@ from gptlab.train import (
     TrainResult,
     change,
     check_resumable,
+    decide_for_machine,
     extended,
     refuse_changes,
     resume_changes,
     run_folder,
+    saved_machine,
     write_run_config,
 )
 
@@ -210,8 +212,9 @@ def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config:
         record[ADAPTER] = {"base": base_file, "config": lora.to_dict()}
     data = SFTData(config, tokenizer, template, model.config.block_size, record)
     with run_folder(out, new=True), distributed.session(train_config.device) as (dist, device):
+        train_config, machine_record = decide_for_machine(model.config, train_config, dist, device)
         if dist.is_main:
-            write_run_config(out, model.config, train_config, data)
+            write_run_config(out, model.config, train_config, data, machine_record)
         trainer = Trainer(out, data, model.config, train_config, dist, device, progress=progress,
                           model=model, patience=config.patience)
         return trainer.run(stop_at), data, notes
@@ -250,7 +253,7 @@ def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_
         model = checkpoint.build_model() if ADAPTER in state else None  # the base with the saved adapters
         with distributed.session(train_config.device) as (dist, device):
             if train_config != checkpoint.train_config and dist.is_main:
-                write_run_config(out, checkpoint.model_config, train_config, data)
+                write_run_config(out, checkpoint.model_config, train_config, data, saved_machine(out))
             trainer = Trainer(out, data, checkpoint.model_config, train_config, dist, device, checkpoint,
                               progress, model=model, patience=saved.patience)
             return trainer.run(stop_at), data, []

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import sys
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +68,18 @@ def print_configs(configs: Mapping[str, Config], hidden: Sequence[str] = ()) -> 
         print(f"{name}:", ", ".join(f"{k}={v}" for k, v in config.to_dict().items() if k not in hidden))
 
 
-def report_run(result: Any, out: Path, evaluation: str | None = None) -> None:
+def report_run(result: Any, out: Path, evaluate: Callable[[], str] | None = None) -> None:
     """Where a training run stopped, its speed, one validation figure and what its folder holds.
 
-    The figure is `evaluation` (the best checkpoint scored by the caller) when given, else the best of
+    The figure is what `evaluate` returns (the best checkpoint scored by the caller; called after the
+    first line is out, so that line marks the end of training for anyone timing it), else the best of
     the estimates made during training, each the mean loss of the same few sampled validation batches.
     """
     state = "interrupted at" if result.interrupted else "finished at"
     print(f"\n{state} step {result.step}: {result.tokens_per_s:,.0f} tokens/s, "
-          f"{result.elapsed_s:.0f} s of training")
-    print(evaluation or f"best validation loss {result.best_val_loss:.4f} (estimated during training on "
-          "sampled batches of the val split)")
+          f"{result.elapsed_s:.0f} s of training", flush=True)
+    print(evaluate() if evaluate else f"best validation loss {result.best_val_loss:.4f} (estimated during "
+          "training on sampled batches of the val split)")
     kept = ["best.safetensors", "last.safetensors", "metrics.csv", "steps.csv", "loss.png",
             *(f"{name}/" for name in ("tensorboard", "wandb") if (out / name).is_dir())]  # --log's
     print(f"run folder: {out} ({', '.join(kept)})")

@@ -110,8 +110,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return result.exit_status
     # One validation number: a finished run's best checkpoint scored on its val split in order (more
     # tokens than the sampled batches that chose it); an interrupted run reports that estimate.
-    evaluation = None if result.interrupted else evaluation_line(out, "val", max_tokens=EVAL_TOKENS)
-    report_run(result, out, f"best checkpoint on the {evaluation}" if evaluation else None)
+    report_run(result, out, None if result.interrupted else
+               lambda: f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
     if result.interrupted:
         return result.exit_status
     if args.samples:
@@ -218,8 +218,8 @@ def benchmark_report(args: argparse.Namespace) -> str:
     model, tokenizer = load_run(args.run, resolve_device(args.device))
     model = inference_weights(model, args.dtype, args.quantize)
     batch_size = args.batch_size or BENCHMARK_BATCH
-    results = evaluate_benchmarks(model, tokenizer, names, args.variant, args.shots, args.limit, batch_size,
-                                  progress=on_terminal())
+    results, refused = evaluate_benchmarks(model, tokenizer, names, args.variant, args.shots, args.limit,
+                                           batch_size, progress=on_terminal())
     if args.output:
         settings = {"batch_size": batch_size, "device": args.device, "dtype": args.dtype,
                     "quantize": args.quantize, "limit": args.limit}
@@ -228,7 +228,7 @@ def benchmark_report(args: argparse.Namespace) -> str:
     skipped = sum(r.skipped for r in results)
     note = (f"\n{skipped} documents skipped: characters the tokenizer cannot encode, or a continuation "
             "longer than the window" if skipped else "")
-    return table(results) + note
+    return table(results) + note + "".join(f"\nrefused {line}" for line in refused)
 
 
 def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: str = "float32",

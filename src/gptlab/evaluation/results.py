@@ -28,6 +28,10 @@ class TaskResult:
     seconds: float
 
 
+class TaskRefused(ValueError):
+    """A task the model's tokenizer can encode less than half of: scoring it would mislead."""
+
+
 def encodable(tokenizer: Tokenizer, document: Document, block_size: int) -> list[tuple[list[int], list[int]]]:
     """The document's encoded requests, or [] if the tokenizer cannot encode one or a continuation does not
     fit the window."""
@@ -46,7 +50,7 @@ def run_task(model: torch.nn.Module, tokenizer: Tokenizer, task: Task, batch_siz
     encoded = [(document, encodable(tokenizer, document, block)) for document in task.documents]
     kept = [(document, pairs) for document, pairs in encoded if pairs]
     if 2 * len(kept) < len(encoded):
-        raise ValueError(f"{task.name}: the model's {tokenizer.kind} tokenizer encodes only {len(kept)} of "
+        raise TaskRefused(f"{task.name}: the model's {tokenizer.kind} tokenizer encodes only {len(kept)} of "
                          f"{len(encoded)} documents (characters it never saw, or continuations longer than "
                          "its window): evaluate a byte or BPE model")
     scores = iter(score_pairs(model, [pair for _, pairs in kept for pair in pairs], batch_size, progress))
@@ -125,8 +129,19 @@ def table(results: Sequence[TaskResult]) -> str:
 
 def evaluate_benchmarks(model: torch.nn.Module, tokenizer: Tokenizer, names: Sequence[str],
                         variant: str | None = None, shots: int | None = None, limit: int | None = None,
-                        batch_size: int = 16, progress: bool = False) -> list[TaskResult]:
+                        batch_size: int = 16, progress: bool = False) -> tuple[list[TaskResult], list[str]]:
     """Score the named tasks (their rc_0shot variants unless `variant` or `shots` picks another), each
-    read first so that a misspelt name fails before any scoring."""
+    read first so that a misspelt name fails before any scoring. Returns the results and the refusals
+    (one line each); a task the tokenizer cannot serve does not cost the others' scores, but if every
+    task is refused that is an error."""
     tasks = [load_task(name, variant, shots, limit) for name in names]
-    return [run_task(model, tokenizer, task, batch_size, progress) for task in tasks]
+    results, refused = [], []
+    for task in tasks:
+        try:
+            results.append(run_task(model, tokenizer, task, batch_size, progress))
+        except TaskRefused as refusal:
+            refused.append(str(refusal))
+    if not results:
+        raise TaskRefused(refused[0] if len(refused) == 1
+                          else "every task was refused: " + "; ".join(refused))
+    return results, refused

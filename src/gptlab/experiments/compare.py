@@ -1,11 +1,13 @@
 """`gptlab compare` as a library call: plan the grid, prepare its data, train what is not done, report.
 
-OUT holds compare.json (the grid), data/ (each text prepared once), logs/ (one log per run), a run folder
-per cell and seed, and the report (report.md, report.html, curves.png), rewritten after every call.
+OUT holds compare.json (the grid, and the precision decided once for this machine), data/ (each text
+prepared once), logs/ (one log per run), a run folder per cell and seed, and the report (report.md,
+report.html, curves.png), rewritten after every call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -14,11 +16,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
-from gptlab.common import cpu_name, on_terminal
+from gptlab.common import cpu_name, on_terminal, resolve_device
 from gptlab.experiments.estimate import run_seconds, step_seconds
 from gptlab.experiments.grid import Cell, Run, RunOptions, build_grid, find_cell, grid_runs, safe_name
 from gptlab.experiments.report import CellSummary, write_report
@@ -105,9 +108,12 @@ def compare(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], 
     grid = plan(options, varies, seeds, out, baseline)
     check_folder(out)
     with RunLock(out):
-        write_grid(out, grid, command)
+        earlier = saved_machine(out)
+        write_grid(out, grid, command, earlier)  # first: a failed preparation still leaves a comparison
         jobs, threads = jobs_and_threads(jobs)
         data = prepare_data(grid.cells, out, progress)
+        grid, machine = decide_for_grid(grid, out, data, threads, earlier)
+        write_grid(out, grid, command, machine)
         planned = [(run, plan_job(run, data[run.cell.name], threads, out / "logs")) for run in grid.runs]
         todo = [job for _, job in planned if job is not None]
         skipped = len(planned) - len(todo)
@@ -153,15 +159,60 @@ def check_folder(out: Path) -> None:
                          "(nothing in it was changed)")
 
 
-def write_grid(out: Path, grid: Grid, command: str) -> None:
-    """compare.json: the cells (settings and configs), the seeds and the baseline, for readers of OUT."""
+def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
+                    earlier: dict[str, Any] | None) -> tuple[Grid, dict[str, Any] | None]:
+    """The grid with precision "auto" made concrete once for every cell, so that no two cells differ by a
+    probe's noise, and compare.json's "machine" entry; None when no cell asks for "auto".
+
+    One probe (gptlab.machine), of the first such cell's model at its micro-batch with the threads each run
+    gets, decides for the whole grid: give --precision (or vary it) to choose otherwise. A later call in the
+    same OUT reuses the decision compare.json holds (`earlier`), so its runs all keep one precision and the
+    ones it resumes are not refused as changed."""
+    from gptlab.data import TokenData
+    from gptlab.machine import Decision, decide_precision, describe, record
+
+    auto = [cell for cell in grid.cells if cell.train_config.precision == "auto"]
+    if not auto:
+        return grid, None
+    first = auto[0]
+    probe = {"cell": first.name, "rows": first.train_config.batch_size, "threads": threads}
+    kept = earlier is not None and "precision" in earlier
+    if kept:
+        saved, probe = earlier["precision"], earlier.get("probe", probe)
+        decision = Decision("precision", saved["value"], saved["why"], saved.get("ms_per_step", {}))
+    else:
+        model = first.model_config.replace(vocab_size=TokenData(data[first.name]).tokenizer.vocab_size)
+        device = resolve_device(first.train_config.device)
+        decision = decide_precision("auto", device, model, probe["rows"], threads)
+    per_run = Decision("threads", str(threads), "each run's share of the cores")
+    kept_note = f" (as decided before, in {GRID_FILE})" if kept else ""
+    log.info(describe([decision, per_run], auto=True) + kept_note)
+    cells = [dataclasses.replace(c, train_config=c.train_config.replace(precision=decision.value))
+             if c in auto else c for c in grid.cells]
+    seeds = tuple(dict.fromkeys(r.seed for r in grid.runs))  # in the grid's order
+    concrete = Grid(cells, grid_runs(cells, seeds, out), cells[grid.cells.index(grid.baseline)])
+    return concrete, {**record([decision, per_run]), "probe": probe}
+
+
+def write_grid(out: Path, grid: Grid, command: str, machine: dict[str, Any] | None = None) -> None:
+    """compare.json: the cells (settings and configs), the seeds, the baseline and what was decided for this
+    machine (`machine`, gptlab.machine's record), for readers of OUT."""
     seeds = sorted({r.seed for r in grid.runs})
-    record = {"command": command, "seeds": seeds, "baseline": grid.baseline.name, "cells": [
+    record = {"command": command, "seeds": seeds, "baseline": grid.baseline.name,
+              **({"machine": machine} if machine else {}), "cells": [
         {"name": c.name, "folder": safe_name(c.name), "settings": dict(c.settings), "data": c.options.data,
          "tokenizer": c.options.tokenizer, "model": c.model_config.to_dict(),
          "train": c.train_config.to_dict()}
         for c in grid.cells]}
     atomic_write_text(out / GRID_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def saved_machine(out: Path) -> dict[str, Any] | None:
+    """The "machine" entry an earlier call wrote into compare.json, if any."""
+    try:
+        return json.loads((out / GRID_FILE).read_text(encoding="utf-8")).get("machine")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def report_context(command: str, jobs: int, threads: int) -> list[str]:

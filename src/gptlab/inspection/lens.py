@@ -59,7 +59,7 @@ def logit_lens(model: GPT, tokenizer: Tokenizer, prompt: str, ids: Sequence[int]
     with record(model, points) as values:
         model(idx)
     streams = torch.cat([values[p] for p in points])  # (S, T, D)
-    probs = model.lm_head(model.transformer.ln_f(streams)).float().softmax(-1).cpu()  # (S, T, V)
+    probs = model.head(streams).float().softmax(-1).cpu()  # (S, T, V): final norm, head, any soft cap
     top = probs.topk(min(k, probs.size(-1)), dim=-1)  # (S, T, k)
     following = torch.tensor(list(ids[1:]), dtype=torch.long)  # (T - 1,)
     next_probs = probs[:, :-1].gather(-1, following.view(1, -1, 1).expand(len(points), -1, 1))[..., 0]

@@ -52,9 +52,11 @@ CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".ml
 # gptlab's native chat template (gptlab.adapt.chat.NativeTemplate) in Jinja, for llama.cpp's chat mode.
 NATIVE_JINJA = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-# What each graph needs of a gptlab ModelConfig: field -> (value, why).
-GPT2_GRAPH = {"norm": "layernorm", "ffn": "gelu", "tied": True}
-LLAMA_GRAPH = {"norm": "rmsnorm", "ffn": "swiglu", "bias": False}
+# What each graph needs of a gptlab ModelConfig: field -> (value, why). Neither graph has the GPU-speedrun
+# options that change the function (zero_init changes only the start, so it exports).
+SPEEDRUN_OFF = {"qk_norm": False, "logit_softcap": 0.0, "unet": False}
+GPT2_GRAPH = {"norm": "layernorm", "ffn": "gelu", "tied": True, **SPEEDRUN_OFF}
+LLAMA_GRAPH = {"norm": "rmsnorm", "ffn": "swiglu", "bias": False, **SPEEDRUN_OFF}
 
 
 @dataclass(frozen=True)
