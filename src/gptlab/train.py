@@ -216,9 +216,6 @@ class Trainer:
         if train_config.track_heads and train_config.parallel == "fsdp" and dist.world_size > 1:
             raise ValueError("--track-heads runs the whole model on the main process, which --parallel fsdp "
                              "shards: use --parallel ddp")
-        if train_config.optimizer == "muon" and train_config.parallel == "fsdp" and dist.world_size > 1:
-            raise ValueError("--optimizer muon needs whole weight matrices, which --parallel fsdp shards: "
-                             "use --parallel ddp, or --optimizer adamw")
         sinks.check_installed(train_config.log)  # a missing package stops every rank before any work
         if train_config.seq_warmup and architecture(config) != "decoder":
             raise ValueError("--seq-warmup grows the windows of text runs; a task's examples have their own "
