@@ -63,8 +63,15 @@ def session(device_name: str) -> Iterator[tuple[Dist, torch.device]]:
             f"WORLD_SIZE={info.world_size} is set but {' and '.join(missing)} is not: start the run "
             "with torchrun (e.g. torchrun --nproc_per_node=2 -m gptlab train ...)"
         )
+    backend = "nccl" if device.type == "cuda" else "gloo"
     try:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart:  # keys the lost round left in torchrun's store must not be read as this round's
+            store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"gptlab/restart-{restart}", store),
+                                    rank=rank, world_size=world_size, timeout=timedelta(minutes=10))
+        else:
+            dist.init_process_group(backend, timeout=timedelta(minutes=10))
     except (RuntimeError, ValueError) as err:
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         raise ValueError(f"could not join the process group at {where}: {err}") from err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,8 +88,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out)
     is_main = distributed.this_process().is_main
     repeated = not args.resume and (out / LAST).is_file()  # the same command again continues its run
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts counts here
     if repeated and is_main:
-        print(f"note: {out} already holds a run: continuing it, as --resume would")
+        print(f"note: torchrun restarted the workers (restart {restart}): continuing {out} from its last "
+              "checkpoint" if restart else
+              f"note: {out} already holds a run: continuing it, as --resume would")
     if args.resume or repeated:
         changes, data = resume_options(args, out)
         result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder",
