@@ -18,8 +18,9 @@ decoder runs on both weight layouts: column-major, (in, out) contiguous, and nn.
 CPU; the row "layout chosen at load" shows its choice for that model, here and now.
 
 A second table sets gptlab's cached decoder beside Hugging Face transformers' `generate` (its own
-KV cache, greedy) on the very same weights (converted with `gptlab.convert.to_transformers`): 200
-new tokens after a one-token prompt, batch 1, in the same run. transformers cannot go past its
+KV cache, greedy) on the very same weights (converted with
+`gptlab.interop.huggingface.to_transformers`): 200 new tokens after a one-token prompt, batch 1, in
+the same run. transformers cannot go past its
 `n_positions`, so the demo shape is compared with a 256-token window there. It needs the `hf`
 extra (`pip install 'gptlab[hf]'`); without it the table is skipped.
 
@@ -54,9 +55,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gptlab.common import decoding_layout, faster_layout
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import Decoder, generate
+from gptlab.layouts import decoding_layout, faster_layout
 from gptlab.model import GPT
 from gptlab.quantize import PACKED_MAX_ROWS, Int8Linear, quantize_int8
 
@@ -210,7 +211,7 @@ def best_seconds(run: Callable[[], list[int]], repeats: int) -> tuple[float, lis
 
 def transformers_row(name: str, config: ModelConfig, device: torch.device, repeats: int = 3) -> str:
     """One row of the gptlab-vs-transformers table: both decode the same weights greedily."""
-    from gptlab.convert import to_transformers
+    from gptlab.interop.huggingface import to_transformers
 
     torch.manual_seed(0)
     model = GPT(config).to(device).eval()
@@ -268,7 +269,7 @@ def batched_rows(device: torch.device) -> list[str]:
     torch.manual_seed(0)
     model = GPT(SIZES[1].config).to(device).eval()
     try:
-        from gptlab.convert import to_transformers
+        from gptlab.interop.huggingface import to_transformers
 
         hf = to_transformers(model)
     except ImportError:

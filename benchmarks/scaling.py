@@ -1,6 +1,8 @@
 """Tokens/s and memory per process of `gptlab train` under torchrun: 1, 2 and 4 processes, DDP and FSDP.
 
-Each cell trains the same model for the same steps with the global batch split over the processes,
+FSDP on several processes runs twice: saving sharded checkpoints (each process writes its shards, the
+default) and saving one gathered file (--checkpoint-format file). Each cell
+trains the same model for the same steps with the global batch split over the processes,
 each process given cores / processes threads (at least one), and reports the training rate that
 `gptlab train` prints and the largest resident memory any worker reached (sampled every 50 ms with
 psutil, installed with gptlab[hf]). On a machine with fewer cores than processes this shows the cost
@@ -42,15 +44,18 @@ def peak_worker_rss(agent: psutil.Process, stop: threading.Event, peak: list[int
         time.sleep(0.05)
 
 
-def cell(processes: int, parallel: str, args: argparse.Namespace, work: Path) -> tuple[float, float]:
+def cell(processes: int, parallel: str, checkpoints: str, args: argparse.Namespace,
+         work: Path) -> tuple[float, float]:
     """Train one configuration; its tokens/s while training and the largest worker's memory in MiB."""
     threads = max(1, (os.cpu_count() or 1) // processes)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
                "-m", "gptlab", "train", "--preset", "small", "--dropout", "0", "--data", str(work / "data"),
-               "--out", str(work / f"{parallel}-{processes}"), "--batch-size", str(args.batch_size),
+               "--out", str(work / f"{parallel}-{checkpoints}-{processes}"),
+               "--batch-size", str(args.batch_size),
                "--block-size", str(args.block_size), "--max-steps", str(args.steps), "--eval-interval",
                str(args.steps), "--eval-batches", "1", "--warmup-steps", "1", "--parallel", parallel,
-               "--precision", "float32", "--device", "cpu", "--samples", "0", "--no-progress"]
+               "--precision", "float32", "--device", "cpu", "--samples", "0", "--no-progress",
+               "--checkpoint-format", checkpoints]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     stop, peak = threading.Event(), [0]
@@ -95,17 +100,21 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="gptlab-scaling-") as tmp:
         prepare("shakespeare", Path(tmp) / "data", tokenizer="char", progress=False)
-        for parallel in ("ddp", "fsdp"):
+        for parallel, checkpoints in (("ddp", "auto"), ("fsdp", "auto"), ("fsdp", "file")):
             for processes in args.processes:
-                rate, rss = cell(processes, parallel, args, Path(tmp))
-                rows.append((parallel, processes, rate, rss))
-                print(f"{parallel} x {processes}: {rate:,.0f} tokens/s, {rss:,.0f} MiB", flush=True)
+                if processes == 1 and checkpoints == "file":
+                    continue  # one process saves a file either way (auto)
+                rate, rss = cell(processes, parallel, checkpoints, args, Path(tmp))
+                rows.append((parallel, checkpoints, processes, rate, rss))
+                print(f"{parallel} x {processes}, {checkpoints}: {rate:,.0f} tokens/s, {rss:,.0f} MiB",
+                      flush=True)
     print(f"\n{cpu_name()}, {os.cpu_count()} cores; `small` preset (6 x 384, {args.block_size} context), "
           f"global batch {args.batch_size}, {args.steps} steps, float32\n")
-    print("| strategy | processes | tokens/s | largest worker's memory, MiB |")
-    print("|---|---|---|---|")
-    for parallel, processes, rate, rss in rows:
-        print(f"| {parallel.upper()} | {processes} | {rate:,.0f} | {rss:,.0f} |")
+    print("| strategy | checkpoints | processes | tokens/s | largest worker's memory, MiB |")
+    print("|---|---|---|---|---|")
+    for parallel, checkpoints, processes, rate, rss in rows:
+        saved = "sharded" if parallel == "fsdp" and checkpoints == "auto" and processes > 1 else "one file"
+        print(f"| {parallel.upper()} | {saved} | {processes} | {rate:,.0f} | {rss:,.0f} |")
     paper_estimate()
 
 

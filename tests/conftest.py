@@ -115,7 +115,7 @@ def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def hf_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-2 saved by transformers, with a bpe tokenizer, imported by `gptlab import-hf`."""
     transformers = pytest.importorskip("transformers")
-    from gptlab.convert import import_hf
+    from gptlab.interop.huggingface import import_hf
     from gptlab.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("hf")

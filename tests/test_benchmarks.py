@@ -258,8 +258,8 @@ def test_imported_gpt2_scores_as_transformers_does(tmp_path: Path) -> None:
     from tokenizers import Tokenizer as HFTokenizer
 
     from gptlab.checkpoint import load_run
-    from gptlab.convert import import_hf
     from gptlab.evaluation.tasks import load_task
+    from gptlab.interop.huggingface import import_hf
     from gptlab.tokenizer import train_tokenizer
 
     text = "Sarah was a much better surgeon than Maria so she always got the easier cases. " * 20

@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from gptlab import convert
 from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import generate
+from gptlab.interop import gpt2, hf_tokenizer, huggingface
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, BPETokenizer, Tokenizer, train_tokenizer
 
@@ -134,7 +134,7 @@ def test_export_loads_in_transformers_and_behaves_the_same(
     config = ModelConfig(**values)
     tokenizer = make_tokenizer(kind, config.vocab_size, bpe)
     model = save_run(tmp_path / "run", config, tokenizer)
-    result = convert.export_hf(tmp_path / "run", tmp_path / "hf")
+    result = huggingface.export_hf(tmp_path / "run", tmp_path / "hf")
     hf, info = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
     assert hf.config.n_inner in (None, config.ffn_hidden) and hf.config.layer_norm_epsilon == config.norm_eps
@@ -151,7 +151,7 @@ def test_exported_bpe_tokenizer_loads_in_auto_tokenizer_with_the_same_ids(
 
     save_run(tmp_path / "run", ModelConfig(vocab_size=bpe.vocab_size, block_size=16, n_layer=1, n_head=2,
                                            n_embd=8), bpe)
-    convert.export_hf(tmp_path / "run", tmp_path / "hf")
+    huggingface.export_hf(tmp_path / "run", tmp_path / "hf")
     hf_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
     text = f"Train a GPT on Shakespeare{EOT}  héllo, wörld!\n\n\tdef f(x): return x  "
     ids = bpe.encode(text)
@@ -176,7 +176,7 @@ def test_gpt2_tokenizer_exports_from_tiktoken_ranks(
     monkeypatch.setattr("gptlab.tokenizer.load_gpt2_encoding", Encoding)
     config = ModelConfig(vocab_size=bpe.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=8)
     save_checkpoint(tmp_path / "run" / BEST, Checkpoint(config, {"kind": "gpt2"}, model_tensors(GPT(config))))
-    convert.export_hf(tmp_path / "run", tmp_path / "hf")
+    huggingface.export_hf(tmp_path / "run", tmp_path / "hf")
     exported = BPETokenizer((tmp_path / "hf" / "tokenizer.json").read_text(encoding="utf-8"))
     assert exported.encode(TEXT) == bpe.encode(TEXT)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == bpe.eot_id
@@ -186,7 +186,7 @@ def test_incompatible_configs_list_every_field() -> None:
     config = ModelConfig(positions="rope", norm="rmsnorm", ffn="swiglu", arrangement="post", tied=False,
                          bias=False, causal=False)
     with pytest.raises(ValueError) as err:
-        convert.check_exportable(config)
+        gpt2.check_exportable(config)
     message = str(err.value)
     for field, value, need in [("positions", "'rope'", "'learned'"), ("norm", "'rmsnorm'", "'layernorm'"),
                                ("ffn", "'swiglu'", "one of 'gelu', 'gelu_exact'"),
@@ -195,7 +195,7 @@ def test_incompatible_configs_list_every_field() -> None:
         assert f"{field}={value} (GPT-2 needs {need})" in message
     assert "\n" not in message and "bias" not in message  # biases GPT-2 has room for: zeros
     # Options GPT-2 has room for (any kernel, dropout, feed-forward width, epsilon) all export.
-    convert.check_exportable(ModelConfig(attention="naive", dropout=0.2, ffn_mult=3.0, norm_eps=1e-6))
+    gpt2.check_exportable(ModelConfig(attention="naive", dropout=0.2, ffn_mult=3.0, norm_eps=1e-6))
 
 
 # ------------------------------------------------------------------------------------ import
@@ -214,7 +214,7 @@ def test_import_from_transformers_behaves_the_same(
         (tmp_path / "hf" / "model.safetensors").unlink()
         torch.save(hf.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
     write_tokenizer_json(tmp_path / "hf", bpe)
-    result = convert.import_hf(tmp_path / "hf", tmp_path / "run")
+    result = huggingface.import_hf(tmp_path / "hf", tmp_path / "run")
     model, tokenizer = load_run(tmp_path / "run")
     assert tokenizer.to_dict() == bpe.to_dict()
     assert result.notes == [f"tokenizer from tokenizer.json: {bpe.vocab_size} ids (bpe kind)"]
@@ -236,7 +236,7 @@ def test_original_gpt2_layout_imports_skipping_only_the_mask_buffers(
         state[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
     torch.save(state, tmp_path / "hf" / "pytorch_model.bin")
     write_tokenizer_json(tmp_path / "hf", bpe)
-    result = convert.import_hf(tmp_path / "hf", tmp_path / "run")
+    result = huggingface.import_hf(tmp_path / "hf", tmp_path / "run")
     assert "skipped 6 causal-mask buffers" in result.notes[1]
     assert_same_behaviour(load_run(tmp_path / "run")[0], hf, 300)
 
@@ -250,7 +250,7 @@ def test_vocab_and_merges_files_give_the_same_ids_as_transformers(tmp_path: Path
     (tmp_path / "hf" / "vocab.json").write_text(json.dumps(saved["vocab"]), encoding="utf-8")
     merges = "".join(f"{a} {b}\n" for a, b in saved["merges"])
     (tmp_path / "hf" / "merges.txt").write_text("#version: 0.2\n" + merges, encoding="utf-8")
-    result = convert.import_hf(tmp_path / "hf", tmp_path / "run")
+    result = huggingface.import_hf(tmp_path / "hf", tmp_path / "run")
     assert result.notes[0] == "tokenizer from vocab.json and merges.txt: 300 ids (bpe kind)"
     tokenizer = load_run(tmp_path / "run")[1]
     reference = GPT2Tokenizer.from_pretrained(tmp_path / "hf")
@@ -261,12 +261,12 @@ def test_vocab_and_merges_files_give_the_same_ids_as_transformers(tmp_path: Path
 @needs_transformers
 def test_missing_tokenizer_files(tmp_path: Path) -> None:
     hf_gpt2(vocab_size=50257, n_positions=8, n_embd=8, n_head=2, n_layer=1).save_pretrained(tmp_path / "gpt2")
-    result = convert.import_hf(tmp_path / "gpt2", tmp_path / "run")
+    result = huggingface.import_hf(tmp_path / "gpt2", tmp_path / "run")
     assert "GPT-2's own encoding" in result.notes[0]
     assert load_checkpoint(tmp_path / "run").tokenizer == {"kind": "gpt2"}
     hf_gpt2(vocab_size=97, n_positions=8, n_embd=8, n_head=2, n_layer=1).save_pretrained(tmp_path / "small")
     with pytest.raises(ValueError, match="no tokenizer files .* vocabulary of 97 is not GPT-2's 50257"):
-        convert.import_hf(tmp_path / "small", tmp_path / "run2")
+        huggingface.import_hf(tmp_path / "small", tmp_path / "run2")
 
 
 @needs_transformers
@@ -282,23 +282,23 @@ def test_missing_tokenizer_files(tmp_path: Path) -> None:
 )
 def test_every_source_tensor_is_used_and_every_target_filled(change: Any, message: str) -> None:
     hf = hf_gpt2(**IMPORT_CASES[0])
-    config = convert.model_config_from_gpt2(hf.config.to_dict())
+    config = gpt2.model_config_from_gpt2(hf.config.to_dict())
     state = dict(hf.state_dict())
     change(state)
     with pytest.raises(ValueError, match=message):
-        convert.from_gpt2_state(state.items(), config)
+        gpt2.from_gpt2_state(state.items(), config)
 
 
 def test_gpt2_configs_gptlab_cannot_run_are_refused_with_every_reason() -> None:
     with pytest.raises(ValueError) as err:
-        convert.model_config_from_gpt2({"model_type": "gpt2", "activation_function": "relu",
+        gpt2.model_config_from_gpt2({"model_type": "gpt2", "activation_function": "relu",
                                         "scale_attn_by_inverse_layer_idx": True,
                                         "tie_word_embeddings": False})
     message = str(err.value)
     assert "activation_function='relu'" in message and "scale_attn_by_inverse_layer_idx=True" in message
     assert "tie_word_embeddings=False" in message
     # Fields a config.json leaves out take GPT2Config's defaults: this is GPT-2 small.
-    assert convert.model_config_from_gpt2({}) == ModelConfig(vocab_size=50257, block_size=1024, n_layer=12,
+    assert gpt2.model_config_from_gpt2({}) == ModelConfig(vocab_size=50257, block_size=1024, n_layer=12,
                                                              n_head=12, n_embd=768, dropout=0.1)
 
 
@@ -309,8 +309,8 @@ def test_gpt2_configs_gptlab_cannot_run_are_refused_with_every_reason() -> None:
 def test_gptlab_to_hf_to_gptlab_is_bit_identical(tmp_path: Path, bpe: BPETokenizer) -> None:
     config = ModelConfig(**EXPORT_CASES[1][0])
     model = save_run(tmp_path / "run", config, bpe)
-    convert.export_hf(tmp_path / "run", tmp_path / "hf")
-    convert.import_hf(tmp_path / "hf", tmp_path / "back")
+    huggingface.export_hf(tmp_path / "run", tmp_path / "hf")
+    huggingface.import_hf(tmp_path / "hf", tmp_path / "back")
     back = load_checkpoint(tmp_path / "back")
     original = model_tensors(model)
     assert back.model_state.keys() == original.keys()
@@ -325,9 +325,9 @@ def test_erf_gelu_without_biases_comes_back_with_zero_biases(tmp_path: Path, bpe
     GELU again, and biases that are all zero."""
     config = ModelConfig(**EXPORT_CASES[4][0])
     model = save_run(tmp_path / "run", config, bpe)
-    convert.export_hf(tmp_path / "run", tmp_path / "hf")
+    huggingface.export_hf(tmp_path / "run", tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["activation_function"] == "gelu"
-    convert.import_hf(tmp_path / "hf", tmp_path / "back")
+    huggingface.import_hf(tmp_path / "hf", tmp_path / "back")
     back = load_checkpoint(tmp_path / "back")
     assert back.model_config == config.replace(bias=True)
     biases = [t for name, t in back.model_state.items() if name.endswith(".bias")]
@@ -342,8 +342,8 @@ def test_hf_to_gptlab_to_hf_is_bit_identical(tmp_path: Path, bpe: BPETokenizer) 
     hf = hf_gpt2(**IMPORT_CASES[1])
     hf.save_pretrained(tmp_path / "hf")
     write_tokenizer_json(tmp_path / "hf", bpe)
-    convert.import_hf(tmp_path / "hf", tmp_path / "run")
-    convert.export_hf(tmp_path / "run", tmp_path / "again")
+    huggingface.import_hf(tmp_path / "hf", tmp_path / "run")
+    huggingface.export_hf(tmp_path / "run", tmp_path / "again")
     first = load_file(tmp_path / "hf" / "model.safetensors")
     second = load_file(tmp_path / "again" / "model.safetensors")
     assert first.keys() == second.keys()
@@ -354,9 +354,9 @@ def test_hf_to_gptlab_to_hf_is_bit_identical(tmp_path: Path, bpe: BPETokenizer) 
 def test_in_memory_conversion_both_ways() -> None:
     model = GPT(ModelConfig(**EXPORT_CASES[2][0]))
     spread(model)
-    hf = convert.to_transformers(model)
+    hf = huggingface.to_transformers(model)
     assert_same_behaviour(model.eval(), hf, 256)
-    back = convert.from_transformers(hf)
+    back = huggingface.from_transformers(hf)
     pairs = zip(model.state_dict().values(), back.state_dict().values(), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
 
@@ -366,13 +366,13 @@ def test_in_memory_conversion_both_ways() -> None:
 
 def bpe_ranks(tokenizer: BPETokenizer) -> dict[bytes, int]:
     """tiktoken's form of a byte-level BPE: each token's bytes -> its id (special tokens left out)."""
-    to_byte = {char: byte for byte, char in convert.byte_to_unicode().items()}
+    to_byte = {char: byte for byte, char in hf_tokenizer.byte_to_unicode().items()}
     vocab = json.loads(tokenizer.to_dict()["json"])["model"]["vocab"]
     return {bytes(to_byte[c] for c in token): i for token, i in vocab.items() if token != EOT}
 
 
 def test_merges_are_recovered_from_ranks(bpe: BPETokenizer) -> None:
-    rebuilt = convert.bpe_json_from_ranks(bpe_ranks(bpe), {EOT: bpe.eot_id})
+    rebuilt = hf_tokenizer.bpe_json_from_ranks(bpe_ranks(bpe), {EOT: bpe.eot_id})
     assert json.loads(rebuilt)["model"]["merges"] == json.loads(bpe.to_dict()["json"])["model"]["merges"]
     assert BPETokenizer(rebuilt).encode(TEXT) == bpe.encode(TEXT)
 
@@ -381,7 +381,7 @@ def test_merges_are_recovered_from_ranks(bpe: BPETokenizer) -> None:
 def test_byte_map_is_gpt2s() -> None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    assert convert.byte_to_unicode() == bytes_to_unicode()
+    assert hf_tokenizer.byte_to_unicode() == bytes_to_unicode()
 
 
 # ------------------------------------------------------------------------------------ command line

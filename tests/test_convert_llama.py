@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from gptlab import convert
 from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig
-from gptlab.convert_llama import model_config_from_llama
 from gptlab.generate import generate, text_chunks
+from gptlab.interop import huggingface
+from gptlab.interop.llama import model_config_from_llama
 from gptlab.model import GPT
 
 pytestmark = pytest.mark.skipif(
@@ -60,7 +60,7 @@ def hf_model(family: str, n_head: int, n_kv_head: int, tied: bool, vocab: int) -
 def test_imported_models_match_transformers(family: str, n_head: int, n_kv_head: int, tied: bool,
                                             vocab: int) -> None:
     hf = hf_model(family, n_head, n_kv_head, tied, vocab)
-    ours = convert.from_transformers(hf)
+    ours = huggingface.from_transformers(hf)
     assert (ours.config.kv_heads, ours.config.tied, ours.config.rope_base) == (n_kv_head, tied, 500.0)
     assert ours.config.attn_bias == (family == "qwen2")
     ids = torch.randint(0, vocab, (3, 23), generator=torch.Generator().manual_seed(1))
@@ -73,7 +73,7 @@ def test_imported_models_match_transformers(family: str, n_head: int, n_kv_head:
                             max_new_tokens=STEPS, pad_token_id=0)[:, PROMPT:]
     assert torch.equal(greedy, hf_greedy)
     assert len(set(greedy[0].tolist())) > 3, "a degenerate model would make this comparison weak"
-    back = convert.to_transformers(ours).state_dict()
+    back = huggingface.to_transformers(ours).state_dict()
     assert all(torch.equal(tensor, back[name]) for name, tensor in hf.state_dict().items())
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -92,6 +94,25 @@ def test_a_two_process_checkpoint_resumes_in_one_process(data_dir: Path, tmp_pat
     result = resume(tmp_path / "split", progress=False)
     assert result.step == 20
     assert_same_run(tmp_path / "one", tmp_path / "split")
+
+
+def test_an_fsdp_run_saves_shards_that_resume_on_one_and_on_four_processes(data_dir: Path,
+                                                                            tmp_path: Path) -> None:
+    common = [*SETTINGS, "--data", str(data_dir)]
+    gptlab("train", *common, "--out", str(tmp_path / "one"))
+    gptlab("train", *common, "--out", str(tmp_path / "two"), "--parallel", "fsdp", "--stop-at", "10", nproc=2)
+    two = tmp_path / "two"
+    folder = two / json.loads((two / "last.shards.json").read_text())["folder"]
+    assert not (two / LAST).exists()  # nothing was gathered to one process to be saved
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    shutil.copytree(two, tmp_path / "on-one")
+    gptlab("train", "--resume", "--out", str(two), "--no-progress", "--samples", "0", nproc=4)
+    folder = two / json.loads((two / "last.shards.json").read_text())["folder"]
+    assert len(list(folder.glob("*.distcp"))) == 4  # four ranks, each its shards
+    assert_same_run(tmp_path / "one", two)
+    assert resume(tmp_path / "on-one", progress=False).step == 20  # one process: whole tensors, a file
+    assert (tmp_path / "on-one" / LAST).is_file() and not (tmp_path / "on-one" / "shards").exists()
+    assert_same_run(tmp_path / "one", tmp_path / "on-one")
 
 
 def test_a_two_process_run_with_dropout_resumes_bit_for_bit(data_dir: Path, tmp_path: Path) -> None:

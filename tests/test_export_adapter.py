@@ -1,5 +1,5 @@
-"""gptlab export-hf on a LoRA run (gptlab.convert.export_adapter_run): transformers loads the exported base
-and peft puts the exported adapter on it, giving the logits of the run's adapted model."""
+"""gptlab export-hf on a LoRA run (gptlab.interop.huggingface.export_adapter_run): transformers loads the
+exported base and peft puts the exported adapter on it, giving the logits of the run's adapted model."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ from torch.testing import assert_close
 from conftest import TwoStops
 from gptlab.checkpoint import Checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
-from gptlab.common import decoding_layout, faster_layout
 from gptlab.config import ARRANGEMENTS, POSITIONS, ModelConfig, SamplingConfig
 from gptlab.generate import (
     Chunk,
@@ -25,6 +24,7 @@ from gptlab.generate import (
     stream_text,
     text_chunks,
 )
+from gptlab.layouts import decoding_layout, faster_layout
 from gptlab.model import GPT
 from gptlab.sampling import token_probabilities
 from gptlab.tokenizer import ByteTokenizer, CharTokenizer
@@ -210,7 +210,7 @@ def test_prompts_longer_than_the_window_keep_their_last_tokens(random_model: Ran
 def test_cached_greedy_generation_matches_transformers_gpt2(random_model: RandomModel) -> None:
     """Hugging Face's GPT-2, with its own KV cache, on the same weights: same tokens, same logits."""
     pytest.importorskip("transformers")
-    from gptlab.convert import to_transformers
+    from gptlab.interop.huggingface import to_transformers
 
     model = random_model(n_embd=16, n_head=4, vocab_size=50)
     hf = to_transformers(model)

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in NEE
 
 from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint  # noqa: E402
 from gptlab.config import ModelConfig  # noqa: E402
-from gptlab.convert import export_hf  # noqa: E402
+from gptlab.interop.huggingface import export_hf  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.tokenizer import Tokenizer, train_tokenizer  # noqa: E402

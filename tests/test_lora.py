@@ -27,7 +27,7 @@ from gptlab.adapt.lora import (
     trainable_parameters,
 )
 from gptlab.config import ModelConfig, TrainConfig
-from gptlab.convert import export_hf
+from gptlab.interop.huggingface import export_hf
 from gptlab.model import GPT
 from gptlab.optim import adamw
 from gptlab.tokenizer import CharTokenizer

@@ -17,12 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from gptlab import convert
 from gptlab.checkpoint import BEST, Checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, Seq2SeqConfig
 from gptlab.generate import Decoder
 from gptlab.inspection.lens import logit_lens
+from gptlab.interop import huggingface
 from gptlab.interop.gguf import export_gguf
 from gptlab.model import GPT
 from gptlab.tokenizer import CharTokenizer
@@ -210,7 +210,7 @@ def test_checkpoint_round_trip(option: str, random_gpt: RandomGPT, tmp_path: Pat
 def test_exporters_refuse_the_option_in_one_line(option: str, random_gpt: RandomGPT, tmp_path: Path) -> None:
     model = random_gpt(**OPTIONS[option])
     save_run(tmp_path, model)
-    for export in (convert.export_hf, export_gguf):
+    for export in (huggingface.export_hf, export_gguf):
         with pytest.raises(ValueError, match=option.replace("_", "[_-]")) as err:  # a field or its --flag
             export(tmp_path, tmp_path / "out")
         assert "\n" not in str(err.value)
@@ -219,7 +219,7 @@ def test_exporters_refuse_the_option_in_one_line(option: str, random_gpt: Random
 
 def test_a_zero_init_model_exports_as_gpt2(tiny_config: Callable[..., ModelConfig]) -> None:
     """zero_init only chooses the starting weights: the function is GPT-2's, so it is not refused."""
-    assert convert.export_family(tiny_config(zero_init=True)) == "gpt2"
+    assert huggingface.export_family(tiny_config(zero_init=True)) == "gpt2"
 
 
 @pytest.mark.parametrize("option", ["logit_softcap", "unet"])

@@ -110,6 +110,21 @@ def test_cross_attention_rows_sum_to_one_and_give_padding_exactly_zero() -> None
         assert (weights[1] > 0).all()
 
 
+def test_cross_attention_of_an_answer_that_fills_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    # An untrained decoder may never say <eos>: its answer is then block_size tokens long, and the rows
+    # drawn are the block_size tokens fed (<bos> and all but the last answer token), each labelled with
+    # the token it predicts; no row predicts an <eos> that never came.
+    model = model_of(tiny())
+    endless = [len(tasks.SPECIALS)] * model.config.block_size
+    monkeypatch.setattr("gptlab.inspection.cross_attention.decode_answers", lambda *args: [endless])
+    maps = cross_attention_maps(model, VOCAB, TaskConfig(task="reverse"), "abcd")
+    assert maps.weights.shape == (2, 2, 12, 5)  # (L, H, T = block_size, S = 4 + <eos>)
+    assert maps.answer_labels == [VOCAB.decode([len(tasks.SPECIALS)])] * 12
+    monkeypatch.setattr("gptlab.inspection.cross_attention.decode_answers", lambda *args: [endless[:3]])
+    maps = cross_attention_maps(model, VOCAB, TaskConfig(task="reverse"), "abcd")
+    assert maps.weights.shape[2] == 4 and maps.answer_labels[-1] == "<eos>"
+
+
 def test_naive_and_fused_kernels_compute_the_same_model() -> None:
     g = torch.Generator().manual_seed(4)
     src, tgt = random_ids(g, 3, 8), random_ids(g, 3, 6)

@@ -7,28 +7,31 @@ are full tensors keyed by parameter name, so the file is the same whatever the w
 `last.safetensors` (for --resume) and `best.safetensors` (lowest validation loss, for sampling).
 
 Writes go to a temporary file that is fsynced and then renamed over the old one, so a crash or kill
-at any moment leaves the previous checkpoint intact.
+at any moment leaves the previous checkpoint intact. Runs sharded over processes (torchrun with FSDP)
+save sharded checkpoints instead (gptlab.sharded: a folder of shards and a pointer file); every reader
+here takes either kind.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from torch import nn
 
-from gptlab.common import decoding_layout
+from gptlab import sharded
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.encoder_decoder import EncoderDecoder
-from gptlab.files import atomic_write
+from gptlab.files import RunLock, atomic_write
+from gptlab.layouts import decoding_layout
 from gptlab.model import GPT
-from gptlab.tokenizer import DamagedTokenizerError, Tokenizer, tokenizer_from_dict
+from gptlab.tokenizer import DamagedTokenizerError, SymbolTokenizer, Tokenizer, tokenizer_from_dict
 
 FORMAT = "gptlab-checkpoint-1"
 # The state key of an adapter run (`gptlab finetune --lora`): {"base": its base run's checkpoint file,
@@ -36,7 +39,7 @@ FORMAT = "gptlab-checkpoint-1"
 ADAPTER = "lora"
 LAST, BEST = "last.safetensors", "best.safetensors"
 # The architectures a checkpoint may hold: its config class and model class, by the name it is saved under.
-ARCHITECTURES: dict[str, tuple[type[ModelConfig], type[nn.Module]]] = {
+ARCHITECTURES: dict[str, tuple[type[ModelConfig], Callable[..., GPT | EncoderDecoder]]] = {
     "decoder": (ModelConfig, GPT),
     "encoder-decoder": (Seq2SeqConfig, EncoderDecoder),
 }
@@ -63,7 +66,13 @@ class Checkpoint:
     state: dict[str, Any] = field(default_factory=dict)  # step, best_val_loss, ... (JSON)
     optimizer_state: dict[str, dict[str, torch.Tensor]] | None = None  # parameter name -> slot -> tensor
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
-    source: str = "the checkpoint"  # the file it was read from, for error messages
+    source: str = "the checkpoint"  # the file (or sharded pointer or folder) it was read from
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the tensors are shapes only (meta tensors), to be loaded shard by shard into a
+        sharded run (`load_checkpoint(..., lazy=True)` of a sharded checkpoint)."""
+        return any(t.is_meta for t in self.model_state.values())
 
     def load_tokenizer(self) -> Tokenizer:
         """The tokenizer saved in the header, or one line naming this file when it is damaged."""
@@ -79,6 +88,13 @@ class Checkpoint:
         if ADAPTER in self.state:
             return adapted_model(self)
         return self.load_weights(new_model(self.model_config))
+
+    def build_gpt(self) -> GPT:
+        """`build_model` for callers that need a decoder-only model; another architecture is a ValueError."""
+        model = self.build_model()
+        if not isinstance(model, GPT):
+            raise ValueError(f"{self.source} holds {HOLDS[architecture(self.model_config)]}")
+        return model
 
     def load_weights(self, model: GPT | EncoderDecoder) -> GPT | EncoderDecoder:
         """Copy these weights into `model`, which must have this checkpoint's architecture; return it."""
@@ -97,7 +113,8 @@ class Checkpoint:
 
 def adapted_model(checkpoint: Checkpoint) -> GPT:
     """The base run's model (`checkpoint.state[ADAPTER]["base"]`) with the checkpoint's LoRA adapters."""
-    # gptlab.adapt builds on this module (lora -> convert -> checkpoint): imported when used, not above.
+    # gptlab.adapt builds on this module (lora -> interop.huggingface -> checkpoint): imported when used,
+    # not above.
     from gptlab.adapt.lora import LoraConfig, add_lora, load_lora_state
 
     saved = checkpoint.state[ADAPTER]
@@ -109,7 +126,7 @@ def adapted_model(checkpoint: Checkpoint) -> GPT:
     if base.model_config != checkpoint.model_config or ADAPTER in base.state:
         raise ValueError(f"{base_file} is not the base model {checkpoint.source} was trained on (another "
                          "shape or vocabulary): fine-tune again from the base you have")
-    model = add_lora(base.build_model(), LoraConfig.from_dict(saved["config"]))
+    model = add_lora(base.build_gpt(), LoraConfig.from_dict(saved["config"]))
     load_lora_state(model, checkpoint.model_state)
     return model
 
@@ -122,13 +139,18 @@ def model_tensors(model: GPT | EncoderDecoder) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous() for name, tensor in state.items()}
 
 
-def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
-    """Write `checkpoint` to `path` atomically (temporary file, fsync, rename)."""
+def flat_tensors(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    """The weights and optimiser slots under the keys a checkpoint stores them by (model.NAME,
+    optim.PARAM/SLOT)."""
     tensors = {f"model.{name}": t for name, t in checkpoint.model_state.items()}
     for param, slots in (checkpoint.optimizer_state or {}).items():
-        tensors.update({f"optim.{param}/{slot}": t.contiguous() for slot, t in slots.items()})
-    tensors.update({f"rng.{name}": t.contiguous() for name, t in checkpoint.rng.items()})
-    metadata = {
+        tensors.update({f"optim.{param}/{slot}": t for slot, t in slots.items()})
+    return tensors
+
+
+def header(checkpoint: Checkpoint) -> dict[str, str]:
+    """The checkpoint's JSON header: format, architecture, configs, tokenizer and training state."""
+    return {
         "format": FORMAT,
         "architecture": architecture(checkpoint.model_config),
         "model_config": json.dumps(checkpoint.model_config.to_dict()),
@@ -137,6 +159,13 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
         "state": json.dumps(checkpoint.state),
         "has_optimizer": json.dumps(checkpoint.optimizer_state is not None),
     }
+
+
+def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
+    """Write `checkpoint` to `path` atomically (temporary file, fsync, rename)."""
+    tensors = {key: t.contiguous() for key, t in flat_tensors(checkpoint).items()}
+    tensors.update({f"rng.{name}": t.contiguous() for name, t in checkpoint.rng.items()})
+    metadata = header(checkpoint)
     try:
         atomic_write(Path(path), lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     except (OSError, SafetensorError) as err:  # a full disk, a file-size limit, a folder that went away
@@ -145,38 +174,94 @@ def save_checkpoint(path: str | Path, checkpoint: Checkpoint) -> None:
                       "if any, is untouched: free some space, then continue the run with --resume") from err
 
 
+def save_to_run(run_dir: Path, names: list[str], checkpoint: Checkpoint, shard: bool) -> None:
+    """Save `checkpoint` as each of `names` (LAST, BEST) in a run folder: one sharded folder they all
+    name (every process calls this; the tensors may be DTensor shards), or a single file each (only the
+    main process calls this; it also retires a sharded checkpoint of the same name)."""
+    if not shard:
+        for name in names:
+            save_checkpoint(run_dir / name, checkpoint)
+            sharded.retire(run_dir, name)
+        return
+    rng = {name: base64.b64encode(t.numpy().tobytes()).decode() for name, t in checkpoint.rng.items()}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    metadata = {**header(checkpoint), "rng": json.dumps(rng)}
+    try:
+        sharded.write(run_dir, names, flat_tensors(checkpoint), metadata, checkpoint.state.get("step", 0))
+    except (OSError, CheckpointException) as err:  # a full disk, a folder that went away
+        raise OSError(f"could not write a sharded checkpoint into {run_dir / sharded.FOLDER} "
+                      f"({str(err).splitlines()[0]}); the previous one, if any, is untouched: free some "
+                      "space, then continue the run with --resume") from err
+
+
+def consolidate(run_dir: Path) -> list[Path]:
+    """Turn a run's sharded checkpoints into single safetensors files (for copying, exporting or tools that
+    read one file); the shard folders are removed once the files are written. Returns the files written:
+    none when the run holds single files already."""
+    if not has_checkpoint(run_dir):
+        raise ValueError(f"{run_dir} holds no checkpoint: there is nothing to consolidate")
+    written = []
+    with RunLock(run_dir):
+        for name in (LAST, BEST):
+            if sharded.pointer(run_dir, name).is_file():
+                save_checkpoint(run_dir / name, load_checkpoint(sharded.pointer(run_dir, name)))
+                sharded.retire(run_dir, name)
+                written.append(run_dir / name)
+    return written
+
+
+def has_checkpoint(run_dir: Path, *names: str) -> bool:
+    """Whether the folder holds any of `names` (default LAST and BEST), as a file or sharded."""
+    return any((run_dir / name).is_file() or sharded.pointer(run_dir, name).is_file()
+               for name in names or (LAST, BEST))
+
+
 def resolve_checkpoint(path: str | Path, prefer: str = BEST) -> Path:
-    """A checkpoint file from a file path or a run folder (its `prefer` file, else the other one)."""
+    """A checkpoint from a path (a file, a sharded pointer or folder) or a run folder: its `prefer`
+    checkpoint, else the other one; of a file and a sharded pointer of one name, the newer."""
     path = Path(path)
-    if path.is_file():
+    if path.is_file() or sharded.is_sharded(path):
         return path
     if not path.exists():
         raise FileNotFoundError(f"no run folder or checkpoint at {path}")
     for name in (prefer, LAST, BEST):
-        if (path / name).is_file():
-            return path / name
+        found = [p for p in (path / name, sharded.pointer(path, name)) if p.is_file()]
+        if found:
+            return max(found, key=lambda p: p.stat().st_mtime_ns)
     raise FileNotFoundError(f"{path} holds no checkpoint ({LAST} or {BEST}): train a model into it first")
 
 
 def checkpoint_architecture(path: str | Path, prefer: str = BEST) -> str:
-    """The architecture a run folder or checkpoint file holds, read from its header alone."""
-    file = resolve_checkpoint(path, prefer)
+    """The architecture a run folder or checkpoint holds, read from its header alone."""
+    return _metadata(resolve_checkpoint(path, prefer)).get("architecture", "decoder")
+
+
+def _metadata(file: Path) -> dict[str, str]:
+    if sharded.is_sharded(file):
+        return sharded.read_header(file)
     try:
         with safe_open(str(file), framework="pt", device="cpu") as reader:
-            return (reader.metadata() or {}).get("architecture", "decoder")
+            return reader.metadata() or {}
     except Exception as err:  # safetensors raises its own error types for a damaged file
         raise ValueError(f"{file} is not a readable gptlab checkpoint ({err})") from err
 
 
-def load_checkpoint(path: str | Path, prefer: str = BEST) -> Checkpoint:
-    """Read a checkpoint file (or a run folder's `prefer` checkpoint) onto the CPU."""
-    return _read(path, prefer, tensors=True)
+def load_checkpoint(path: str | Path, prefer: str = BEST, lazy: bool = False,
+                    optimizer: bool = True) -> Checkpoint:
+    """Read a checkpoint (or a run folder's `prefer` checkpoint) onto the CPU, whole.
+
+    With `lazy`, a sharded checkpoint's tensors are shapes only (meta tensors): a sharded run then
+    loads just its own shards (gptlab.distributed.load_shards). Without `optimizer` the optimiser slots,
+    twice the weights' size under AdamW, are not read (`optimizer_state` is None): enough to use a model.
+    """
+    return _read(path, prefer, "shapes" if lazy else "all" if optimizer else "weights")
 
 
 def load_header(path: str | Path, prefer: str = BEST) -> Checkpoint:
     """A checkpoint's configs, tokenizer and state from its JSON header alone: no tensor is read, so
     `model_state`, `optimizer_state` and `rng` are empty."""
-    return _read(path, prefer, tensors=False)
+    return _read(path, prefer, "header")
 
 
 def generation_defaults(run_path: str | Path) -> dict[str, Any]:
@@ -185,27 +270,58 @@ def generation_defaults(run_path: str | Path) -> dict[str, Any]:
     return dict(load_header(run_path).state.get("generation", {}))
 
 
-def _read(path: str | Path, prefer: str, tensors: bool) -> Checkpoint:
+def _read(path: str | Path, prefer: str, read: str) -> Checkpoint:
+    """`read`: which tensors: header (none), weights (not the optimiser's), all, or shapes (all, as meta
+    tensors, from a sharded checkpoint; a file reads them all)."""
     file = resolve_checkpoint(path, prefer)
+    keep = {"header": lambda key: False, "weights": lambda key: not key.startswith("optim.")}.get(
+        read, lambda key: True)
+    metadata, found = (_read_sharded(file, keep, read == "shapes") if sharded.is_sharded(file)
+                       else _read_file(file, keep))
     groups: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}, "rng": {}}
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            metadata = reader.metadata() or {}
-            for key in reader.keys() if tensors else ():
-                prefix, _, rest = key.partition(".")
-                groups.setdefault(prefix, {})[rest] = reader.get_tensor(key)
-    except Exception as err:  # safetensors raises its own error types for a damaged file
-        raise ValueError(f"{file} is not a readable gptlab checkpoint ({err})") from err
+    for key, tensor in found.items():
+        prefix, _, rest = key.partition(".")
+        groups.setdefault(prefix, {})[rest] = tensor
     if metadata.get("format") != FORMAT:
         raise ValueError(f"{file} is not a gptlab checkpoint (format {metadata.get('format')!r})")
     name = metadata.get("architecture", "decoder")  # files from before encoder-decoders name none
     if name not in ARCHITECTURES:
         raise ValueError(f"{file} holds a {name!r} model, which this version of gptlab cannot build")
     try:
-        return parse_checkpoint(metadata, groups, ARCHITECTURES[name][0], str(file))
+        checkpoint = parse_checkpoint(metadata, groups, ARCHITECTURES[name][0], str(file))
     except (KeyError, TypeError, ValueError) as err:  # a header that was edited or damaged
         raise ValueError(f"{file} has a damaged header ({str(err).splitlines()[0]}): use another checkpoint "
                          "of the run") from None
+    if read == "weights":
+        checkpoint.optimizer_state = None
+    return checkpoint
+
+
+def _read_file(file: Path, keep: Callable[[str], bool]) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            tensors = {key: reader.get_tensor(key) for key in reader.keys() if keep(key)}
+            return reader.metadata() or {}, tensors
+    except Exception as err:  # safetensors raises its own error types for a damaged file
+        raise ValueError(f"{file} is not a readable gptlab checkpoint ({err})") from err
+
+
+def _read_sharded(file: Path, keep: Callable[[str], bool],
+                  lazy: bool) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    metadata = sharded.read_header(file)
+    found: dict[str, torch.Tensor] = {}
+    if lazy:
+        found = {key: torch.empty(size, dtype=dtype, device="meta")
+                 for key, (size, dtype) in sharded.shapes(file).items()}
+    elif keep("model."):
+        found = sharded.read_whole(file, keep)
+    try:
+        rng = json.loads(metadata.pop("rng", "{}"))
+        found.update({f"rng.{name}": torch.frombuffer(bytearray(base64.b64decode(data)), dtype=torch.uint8)
+                      for name, data in rng.items()})
+    except (ValueError, TypeError, AttributeError) as err:
+        raise ValueError(f"{file} has a damaged header ({err}): use another checkpoint of the run") from None
+    return metadata, found
 
 
 def parse_checkpoint(metadata: dict[str, str], groups: dict[str, dict[str, torch.Tensor]],
@@ -280,6 +396,17 @@ def require_architecture(found: str, path: str | Path, expect: str) -> None:
         raise ValueError(f"{path} holds {HOLDS[found]}")
 
 
+# The model's type follows `expect` (another architecture is a ValueError), as these overloads say.
+@overload
+def load_run(path: str | Path, device: torch.device | str = ..., prefer: str = ...,
+             expect: Literal["decoder"] = ..., dtype: torch.dtype = ...) -> tuple[GPT, Tokenizer]: ...
+@overload
+def load_run(path: str | Path, device: torch.device | str = ..., prefer: str = ..., *,
+             expect: Literal["encoder-decoder"], dtype: torch.dtype = ...,
+             ) -> tuple[EncoderDecoder, Tokenizer]: ...
+@overload
+def load_run(path: str | Path, device: torch.device | str = ..., prefer: str = ..., expect: str = ...,
+             dtype: torch.dtype = ...) -> tuple[GPT | EncoderDecoder, Tokenizer]: ...
 def load_run(
     path: str | Path, device: torch.device | str = "cpu", prefer: str = BEST, expect: str = "decoder",
     dtype: torch.dtype = torch.float32,
@@ -289,10 +416,19 @@ def load_run(
 
     `expect` names the architecture the caller can use; another one is a ValueError saying what to run.
     """
-    checkpoint = load_checkpoint(path, prefer)
+    checkpoint = load_checkpoint(path, prefer, optimizer=False)
     return inference_model(checkpoint, path, device, expect, dtype), checkpoint.load_tokenizer()
 
 
+@overload
+def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = ...,
+                    expect: Literal["decoder"] = ..., dtype: torch.dtype = ...) -> GPT: ...
+@overload
+def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = ..., *,
+                    expect: Literal["encoder-decoder"], dtype: torch.dtype = ...) -> EncoderDecoder: ...
+@overload
+def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = ...,
+                    expect: str = ..., dtype: torch.dtype = ...) -> GPT | EncoderDecoder: ...
 def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = "cpu",
                     expect: str = "decoder", dtype: torch.dtype = torch.float32) -> GPT | EncoderDecoder:
     """The checkpoint's model in eval mode on `device` (in the decoding layout on the CPU).
@@ -308,11 +444,15 @@ def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.devi
 
 
 def load_seq2seq(path: str | Path, device: torch.device | str = "cpu",
-                 ) -> tuple[EncoderDecoder, Tokenizer, TaskConfig]:
+                 ) -> tuple[EncoderDecoder, SymbolTokenizer, TaskConfig]:
     """The encoder-decoder (eval mode, on `device`), its vocabulary and its task, from a seq2seq run."""
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, optimizer=False)
     model = inference_model(checkpoint, path, device, expect="encoder-decoder")
-    return model, checkpoint.load_tokenizer(), TaskConfig.from_dict(checkpoint.state["task"])
+    vocab = checkpoint.load_tokenizer()
+    if not isinstance(vocab, SymbolTokenizer):  # every seq2seq run is trained on tasks.vocabulary()
+        raise ValueError(f"{path} holds a {vocab.kind} tokenizer, not a seq2seq task's symbols: "
+                         "use another run")
+    return model, vocab, TaskConfig.from_dict(checkpoint.state["task"])
 
 
 def data_folder(run_dir: Path, state: dict[str, Any]) -> Path:

@@ -66,7 +66,7 @@ def explain(check: Check, cause: str) -> Check:
 # Comparisons: every one states its tolerance and reports the largest difference.
 
 
-def fmt(values: torch.Tensor | Sequence | float) -> str:
+def fmt(values: torch.Tensor | list | tuple | float) -> str:
     """Nested lists with six decimals; tensors too big to read are summarised by their shape."""
     if isinstance(values, torch.Tensor):
         if values.numel() > 16:
@@ -94,11 +94,11 @@ def relative(eps: float) -> Callable[[torch.Tensor], float]:
 def all_close(section: str, name: str, pairs: Iterable[tuple[torch.Tensor, Reference]], tol: Tolerance,
               shown: str | None = None, note: str = "") -> Check:
     """Each computed tensor matches its reference elementwise within tol (a NaN or a shape mismatch fails)."""
-    pairs = [(got, ref if isinstance(ref, torch.Tensor) else torch.tensor(ref, dtype=torch.float64))
-             for got, ref in pairs]
-    deviation = max(max_diff(got, ref) for got, ref in pairs)
-    bound = max(tol(ref) if callable(tol) else tol for _, ref in pairs)
-    got, ref = pairs[0] if len(pairs) == 1 else ([p[0] for p in pairs], [p[1] for p in pairs])
+    tensors = [(got, ref if isinstance(ref, torch.Tensor) else torch.tensor(ref, dtype=torch.float64))
+               for got, ref in pairs]
+    deviation = max(max_diff(got, ref) for got, ref in tensors)
+    bound = max(tol(ref) if callable(tol) else tol for _, ref in tensors)
+    got, ref = tensors[0] if len(tensors) == 1 else ([p[0] for p in tensors], [p[1] for p in tensors])
     return Check(section, name, deviation <= bound, f"{shown or fmt(ref)} (max |diff| <= {bound:g})",
                  f"{fmt(got)} (max |diff| = {deviation:.1e})", deviation, bound, note)
 

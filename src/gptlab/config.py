@@ -15,13 +15,15 @@ import math
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound="Config")
 
 
 class Config:
     """Shared behaviour of the config dataclasses: type checks, dict round trip, validation hook."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]  # every subclass is a @dataclass
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -225,6 +227,7 @@ class ModelConfig(Config):
 
 PRECISIONS = ("auto", "float32", "bfloat16")
 PARALLEL = ("ddp", "fsdp")
+CHECKPOINT_FORMATS = ("auto", "file", "sharded")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "trapezoid")
 LOGS = ("tensorboard", "wandb")
@@ -278,6 +281,11 @@ class TrainConfig(Config):
                                "--history)")
     parallel: str = option("ddp", "under torchrun: ddp replicates the model, fsdp shards weights, "
                            "gradients and optimiser state", PARALLEL)
+    checkpoint_format: str = option("auto", "file: one safetensors file per checkpoint, gathered to the main "
+                                    "process; sharded: every process writes its own shards into a folder "
+                                    "(torch.distributed.checkpoint), read back by any number of processes; "
+                                    "auto: sharded under torchrun with --parallel fsdp, a file otherwise",
+                                    CHECKPOINT_FORMATS)
     log: tuple[str, ...] = option((), "also send the metrics of every step and evaluation to these: "
                                   "tensorboard (into RUN/tensorboard), wandb (Weights & Biases, into "
                                   "RUN/wandb; WANDB_PROJECT, WANDB_MODE=offline apply); steps.csv and "
@@ -297,6 +305,7 @@ class TrainConfig(Config):
         )
         check_choice(owner, "precision", self.precision, PRECISIONS)
         check_choice(owner, "parallel", self.parallel, PARALLEL)
+        check_choice(owner, "checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         check_choice(owner, "optimizer", self.optimizer, OPTIMIZERS)
         for name in self.log:
             check_choice(owner, "log", name, LOGS)

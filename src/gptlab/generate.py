@@ -109,6 +109,7 @@ class Decoder:
             idx, pad = self._left_padded([row[s:] for row, s in zip(self.rows, starts, strict=True)])
             cache.reset(pad)
         else:
+            assert self.newest is not None, "every step after the prefill follows an append"
             idx = self.newest  # (B, 1)
         return self.model(idx, cache=cache, last_only=True)[0][:, -1]
 
@@ -191,7 +192,7 @@ def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, sampling: Samplin
 
 
 def text_chunks(
-    tokens: Iterator[torch.Tensor], tokenizer: Tokenizer, stop: Sequence[str]
+    tokens: Iterator[torch.Tensor | int], tokenizer: Tokenizer, stop: Sequence[str]
 ) -> Iterator[Chunk]:
     """The chunks of stream_text: decode, find stop strings, hold back what may still change."""
     ids: list[int] = []

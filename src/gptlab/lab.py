@@ -309,9 +309,10 @@ def check_parameter_sharing() -> list[Check]:
     """§6: learned positions add T_max D parameters, sinusoidal none; a tied head is the embedding."""
     s = "§6"
     T, D, V = 8, 16, 16
-    models = {name: M.GPT(_small(**changes)) for name, changes in {
+    variants: dict[str, dict[str, object]] = {
         "none": {"positions": "none"}, "learned": {}, "sinusoidal": {"positions": "sinusoidal"},
-        "untied": {"tied": False}}.items()}
+        "untied": {"tied": False}}
+    models = {name: M.GPT(_small(**changes)) for name, changes in variants.items()}
     counts = {name: model.num_parameters() for name, model in models.items()}
     arithmetic = {name: M.parameter_count(model.config)["total"] for name, model in models.items()}
     tied = models["learned"]
@@ -356,14 +357,14 @@ def _causality_checks(kernel: str) -> list[Check]:
         exceeds("§7.3", f"output i uses inputs up to i ({kernel})", past, 0.0,
                 "min over i of max |grad| over j <= i"),
     ]
-    for block in model.transformer.h:
+    for block in model.transformer.blocks:
         block.attn.causal = False
     leaks = ("without the mask output 0 sees later inputs", "masking only the final block is not enough")
     for label in leaks:
         leak = _dependence(model, idx)[0, 1:].max().item()
         results.append(exceeds("§7.3", f"{label} ({kernel})", leak, 0.0, "max |grad of output 0| over j > 0"))
         # Then mask only the last block: the first can already copy the future into row 0.
-        model.transformer.h[-1].attn.causal = True
+        model.transformer.blocks[-1].attn.causal = True
     return results
 
 
@@ -408,7 +409,7 @@ def check_trace() -> list[Check]:
     """§7.4: the stream A B C (targets B C A) from embeddings to the loss 3.02041."""
     s = "§7.4"
     model = _toy_trace_model()
-    block = model.transformer.h[0]
+    block = model.transformer.blocks[0]
     idx, targets = torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2, 0]])  # A B C -> B C A
     x = model.embed(idx)  # (1, T=3, D=2)
     q, k, v = block.attn.project(x)  # each (1, H=1, T, hs=2)

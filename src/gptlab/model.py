@@ -126,8 +126,9 @@ class LearnedPositions(nn.Embedding):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config.block_size, config.n_embd)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
-        return x + super().forward(positions)  # rows p_i, (B or 1, T, D)
+    # The position scheme's forward(x, positions), not nn.Embedding's forward(input): rows are added to x.
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x + super().forward(positions)  # rows p_i, (B or 1, T, D); (B, T, D) -> (B, T, D)
 
 
 class SinusoidalPositions(nn.Module):
@@ -135,6 +136,8 @@ class SinusoidalPositions(nn.Module):
 
     Rows are computed for any position, since a sliding-window generation goes past block_size.
     """
+
+    freqs: torch.Tensor  # a buffer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -162,6 +165,8 @@ class SinusoidalPositions(nn.Module):
 
 class Rotary(nn.Module):
     """RoPE: rotate each query/key feature pair (i, i + hs/2) by an angle proportional to position."""
+
+    inv_freq: torch.Tensor  # a buffer
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -353,7 +358,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:  # (B, T, D) -> same
         x = self.residual(x, self.ln_1, lambda h: self.attn(h, cache, mask))  # mix positions
-        if self.mlp is None:  # attention-only
+        if self.mlp is None or self.ln_2 is None:  # attention-only (the two are None together)
             return x
         return self.residual(x, self.ln_2, self.mlp)  # transform each position's features
 
@@ -362,9 +367,26 @@ class Block(nn.Module):
 # §6-§7: the language model
 
 
-def residual_stack(config: ModelConfig, blocks: list[nn.Module], **first: nn.Module) -> nn.ModuleDict:
+class ResidualStack(nn.ModuleDict):
+    """A stack's parts under GPT-2's checkpoint names, with their types (a plain ModuleDict has none)."""
+
+    wte: nn.Embedding  # E, (V, D): GPT's only; the encoder-decoder keeps its shared one outside its stacks
+    wpe: nn.Module  # adds positions to the token rows (§6)
+    drop: nn.Module
+    h: nn.ModuleList  # the blocks
+    ln_f: nn.Module  # the final norm; the identity in a post-norm stack
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The entries of `h` as Blocks, for reaching their `attn`, `mlp` and norms."""
+        blocks = [block for block in self.h if isinstance(block, Block)]
+        assert len(blocks) == len(self.h), "every entry of a stack's h is a Block"
+        return blocks
+
+
+def residual_stack(config: ModelConfig, blocks: list[nn.Module], **first: nn.Module) -> ResidualStack:
     """One stack of blocks: `first` (GPT's token embedding `wte`), positions, dropout, blocks, final norm."""
-    return nn.ModuleDict(dict(
+    return ResidualStack(dict(
         **first,
         wpe=POSITIONS[config.positions][0](config),
         drop=nn.Dropout(config.dropout),
@@ -406,7 +428,7 @@ class LanguageModel(nn.Module):
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * depth))
 
-    def input_rows(self, stack: nn.ModuleDict, wte: nn.Embedding, idx: torch.Tensor,
+    def input_rows(self, stack: ResidualStack, wte: nn.Embedding, idx: torch.Tensor,
                    positions: torch.Tensor | None = None) -> torch.Tensor:
         """Input rows X = E[w] + p of token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
         T, window = idx.size(1), self.config.block_size

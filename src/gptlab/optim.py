@@ -77,7 +77,7 @@ def adamw(params: list[nn.Parameter], config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), fused=fused)
 
 
-def hidden_matrices(model: nn.Module) -> Iterator[nn.Parameter]:
+def hidden_matrices(model: nn.Module) -> Iterator[torch.Tensor]:
     """The weights of every nn.Linear inside a Transformer block (Muon's share of the parameters)."""
     for block in model.modules():
         if isinstance(block, Block):
@@ -132,7 +132,8 @@ class BatchedMuon(torch.optim.Muon):
     """
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    # No closure (Muon's step never re-evaluates the loss), so the signature is narrower than Optimizer's.
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
         for group in self.param_groups:
             by_shape: dict[torch.Size, list[tuple[nn.Parameter, torch.Tensor]]] = {}
             for param in group["params"]:
@@ -167,9 +168,11 @@ def gather(updates: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(updates)
     from torch.distributed.tensor import DTensor
 
-    first = updates[0]
-    shape = torch.Size((len(updates), *first.shape))
-    local = torch.stack([u.to_local() for u in updates])  # (N, this rank's rows, cols)
+    shards = [u for u in updates if isinstance(u, DTensor)]
+    assert len(shards) == len(updates), "an FSDP2 model's matrices are sharded alike"
+    first = shards[0]
+    shape = torch.Size((len(shards), *first.shape))
+    local = torch.stack([u.to_local() for u in shards])  # (N, this rank's rows, cols)
     stride = torch.empty(shape, device="meta").stride()  # contiguous
     stacked = DTensor.from_local(local, first.device_mesh, _stacked_placements(first.placements),
                                  run_check=False, shape=shape, stride=stride)
@@ -179,11 +182,11 @@ def gather(updates: list[torch.Tensor]) -> torch.Tensor:
 def cut(stacked: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor]:
     """The stack's matrices (N, rows, cols), each as its parameter holds it: whole, or this rank's shard
     of it (every rank holds the same stack, so each keeps its piece without communication)."""
-    if not is_sharded(params[0]):
+    first = params[0]
+    if not is_sharded(first):
         return list(stacked)
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    first = params[0]
     mesh, placements = first.device_mesh, first.placements
     pieces = distribute_tensor(stacked, mesh, _stacked_placements(placements), src_data_rank=None).to_local()
     return [DTensor.from_local(piece, mesh, placements, run_check=False, shape=first.shape,

@@ -73,7 +73,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
+def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a config file with optional `[model]` and `[train]` tables (and an optional `preset`)."""
     path = Path(path)
     if not path.is_file():

@@ -32,6 +32,8 @@ widths return garbage or crash the process, so such layers always take the dequa
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +42,7 @@ QUANTIZATIONS = ("none", "int8")
 DTYPES = ("float32", "bfloat16")  # the precisions a trained model's weights can be held in for inference
 PACKED_MAX_ROWS = 16  # up to this many rows the int8 kernel is faster than dequantise + matmul
 PACKED_WIDTH_MULTIPLE = 16  # the int8 kernel's in_features must be a multiple of this
+M = TypeVar("M", bound=nn.Module)  # the functions below change a model in place and return it
 
 
 def bf16_ceil(x: torch.Tensor) -> torch.Tensor:
@@ -72,6 +75,10 @@ class Int8Linear(nn.Module):
     bfloat16, about 3 significant digits, before it returns to float32) or float32 (the same weights
     multiplied exactly as a float32 layer would: a quarter of the memory, but no faster).
     """
+
+    weight: torch.Tensor  # buffers, not parameters: nothing here is trained
+    scales: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                  activations: torch.dtype = torch.bfloat16) -> None:
@@ -112,7 +119,7 @@ class Int8Linear(nn.Module):
                 f"bias={self.bias is not None}, activations={self.activations}, int8 kernel={self.packed}")
 
 
-def quantize_int8(model: nn.Module, activations: torch.dtype = torch.bfloat16) -> nn.Module:
+def quantize_int8(model: M, activations: torch.dtype = torch.bfloat16) -> M:
     """Replace every nn.Linear of `model` (in place) by an Int8Linear, and return it in eval mode.
 
     Meant for the CPU (see `quantize`); a tied head is quantised like any other head, and the embedding
@@ -125,7 +132,7 @@ def quantize_int8(model: nn.Module, activations: torch.dtype = torch.bfloat16) -
     return model.eval()
 
 
-def quantize(model: nn.Module, method: str) -> nn.Module:
+def quantize(model: M, method: str) -> M:
     """Apply a quantisation by name (`none` or `int8`), the entry point of the commands.
 
     int8 runs on the CPU only: its kernel was chosen and tested there, and on other devices the
@@ -142,7 +149,7 @@ def quantize(model: nn.Module, method: str) -> nn.Module:
     return quantize_int8(model)
 
 
-def inference_weights(model: nn.Module, dtype: str, method: str) -> nn.Module:
+def inference_weights(model: M, dtype: str, method: str) -> M:
     """Hold a model's weights as the commands' --dtype and --quantize say: float32, bfloat16 (half the
     memory) or int8 (a quarter; it takes float32 weights and multiplies in bfloat16 itself)."""
     if dtype not in DTYPES:

@@ -234,4 +234,5 @@ class TaskData:
     def metrics(self, model: nn.Module, losses: dict[str, float], seed: int,
                 device: torch.device) -> dict[str, float]:
         """Exact match on the same held-out sources at every evaluation."""
+        assert isinstance(model, EncoderDecoder), "a task trains an encoder-decoder"
         return {"val_exact_match": exact_match(model, self.config, self.config.eval_examples, seed, device)}

@@ -498,8 +498,9 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
     if kind not in (*TOKENIZERS, SymbolTokenizer.kind, ImportedTokenizer.kind):
         known = ", ".join((*TOKENIZERS, SymbolTokenizer.kind, ImportedTokenizer.kind))
         raise DamagedTokenizerError(f"not a saved tokenizer: kind={kind!r} is not one of {known}")
-    fields = {"char": {"chars": str}, "bpe": {"json": str}, "hf": {"json": str},
-              "symbols": {"specials": list, "chars": str}}
+    fields: dict[str, dict[str, type[str] | type[list]]] = {
+        "char": {"chars": str}, "bpe": {"json": str}, "hf": {"json": str},
+        "symbols": {"specials": list, "chars": str}}
     for field, field_type in fields.get(kind, {}).items():
         value = d.get(field)
         if not isinstance(value, field_type) or not all(isinstance(s, str) for s in value):

@@ -28,7 +28,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -38,26 +38,30 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gptlab import distributed, machine, sinks
+from gptlab import distributed, machine, sharded, sinks
 from gptlab.checkpoint import (
     BEST,
     LAST,
     Checkpoint,
     architecture,
     data_folder,
+    has_checkpoint,
     load_checkpoint,
+    load_header,
     new_model,
     portable,
     require_architecture,
-    save_checkpoint,
+    save_to_run,
 )
 from gptlab.common import autocast, on_terminal, resolve_precision, seed_everything
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig, flag
 from gptlab.curriculum import batch_size_at, block_size_at
 from gptlab.data import TokenData, prepare
+from gptlab.encoder_decoder import EncoderDecoder
 from gptlab.files import RunLock, atomic_write_text, remove_stale_temporaries
 from gptlab.inspection.history import head_columns, head_metrics, head_summary
 from gptlab.metrics import MetricsLog, plot_losses
+from gptlab.model import GPT
 from gptlab.optim import learning_rate, make_optimizer, set_learning_rate
 from gptlab.presets import Layer
 from gptlab.tasks import TaskData
@@ -69,8 +73,12 @@ log = logging.getLogger("gptlab.train")
 class TrainingData(Protocol):
     """What the loop needs of its examples (TokenData for text, TaskData for a seq2seq task)."""
 
-    tokenizer: Tokenizer
-    metric_names: tuple[str, ...]  # the columns `metrics` adds to metrics.csv
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The columns `metrics` adds to metrics.csv."""
 
     def check_window(self, block_size: int) -> None: ...
 
@@ -82,7 +90,7 @@ class TrainingData(Protocol):
         """What a checkpoint keeps to rebuild this data source (see `data_from_state`)."""
 
     def metrics(self, model: torch.nn.Module, losses: dict[str, float], seed: int,
-                device: torch.device) -> dict[str, float | str]: ...
+                device: torch.device) -> Mapping[str, float | str]: ...
 
 
 def data_from_state(state: dict[str, Any], run_dir: Path) -> TrainingData:
@@ -106,6 +114,14 @@ class StepResult:
     grad_norm: float  # the global gradient norm before clipping
     stop: bool
     save: bool
+
+
+def saves_shards(config: TrainConfig, world_size: int) -> bool:
+    """Whether the run saves sharded checkpoints (`checkpoint_format`; auto: under FSDP on several
+    processes, where gathering the whole model to one process is the memory ceiling)."""
+    if config.checkpoint_format == "auto":
+        return config.parallel == "fsdp" and world_size > 1
+    return config.checkpoint_format == "sharded"
 
 
 def rank_rows(batch_size: int, dist: distributed.Dist) -> slice:
@@ -192,8 +208,8 @@ class Trainer:
 
     def __init__(self, run_dir: Path, data: TrainingData, config: ModelConfig, train_config: TrainConfig,
                  dist: distributed.Dist, device: torch.device, checkpoint: Checkpoint | None = None,
-                 progress: bool = True, init_from: Checkpoint | None = None, model: nn.Module | None = None,
-                 patience: int = 0) -> None:
+                 progress: bool = True, init_from: Checkpoint | None = None,
+                 model: GPT | EncoderDecoder | None = None, patience: int = 0) -> None:
         """`checkpoint` resumes a run exactly; `init_from` only supplies starting weights (fine-tuning).
 
         `model`, when given, is trained instead of a new model of `config` and already holds its starting
@@ -221,11 +237,13 @@ class Trainer:
             raise ValueError("--seq-warmup grows the windows of text runs; a task's examples have their own "
                              "lengths: leave it at 0 for seq2seq runs")
         self.dtype = resolve_precision(train_config.precision, device, config.n_embd)
+        self.shard = saves_shards(train_config, dist.world_size)
         seed_everything(train_config.seed)
         if model is None:
             model = new_model(config)
-            if (checkpoint or init_from) is not None:
-                (checkpoint or init_from).load_weights(model)
+            start = checkpoint or init_from
+            if start is not None and not start.lazy:  # a lazy one is loaded shard by shard once wrapped
+                start.load_weights(model)
         self.frozen = {name for name, p in model.named_parameters(remove_duplicate=False)
                        if not p.requires_grad}
         self.patience, self.stale = patience, 0  # stale: evaluations since the best one
@@ -251,10 +269,14 @@ class Trainer:
 
     def _restore(self, checkpoint: Checkpoint) -> None:
         assert checkpoint.optimizer_state is not None, "a training checkpoint carries its optimiser"
-        slots = checkpoint.optimizer_state
-        if slots:  # frozen parameters never have optimiser slots
-            slots = {**{name: {} for name in self.frozen}, **slots}
-        distributed.load_optimizer_state(self.model, self.optimizer, slots)
+        if checkpoint.lazy:  # each rank reads its own shards of a sharded checkpoint
+            skip = self.frozen | ({"lm_head.weight"} if self.config.tied else set())
+            distributed.load_shards(self.model, self.optimizer, Path(checkpoint.source), skip)
+        else:
+            slots = checkpoint.optimizer_state
+            if slots:  # frozen parameters never have optimiser slots
+                slots = {**{name: {} for name in self.frozen}, **slots}
+            distributed.load_optimizer_state(self.model, self.optimizer, slots)
         state = checkpoint.state
         self.step, self.best_val = state["step"], state["best_val_loss"]
         self.stale = state.get("stale_evaluations", 0)
@@ -266,7 +288,8 @@ class Trainer:
             torch.cuda.set_rng_state(checkpoint.rng["cuda"], self.device)
 
     def checkpoint(self) -> Checkpoint:
-        """Everything needed to continue; a collective call under FSDP (every rank must make it)."""
+        """Everything needed to continue; a collective call under FSDP (every rank must make it). A sharded
+        run keeps each rank's own shards, unsent."""
         rng = {"torch": torch.get_rng_state(), "data": self.batches.get_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
@@ -274,12 +297,19 @@ class Trainer:
                  "train_time_s": self.train_time, "tokens_seen": self.tokens_seen,
                  "stale_evaluations": self.stale, **portable(self.data.state(), self.run_dir)}
         # Frozen weights (a base under adapters) are not saved: the data's state says where they are.
-        weights = {name: tensor for name, tensor in distributed.full_model_state(self.model).items()
+        gather = not self.shard
+        weights = {name: tensor for name, tensor in distributed.model_state(self.model, gather).items()
                    if name not in self.frozen}
         if self.config.tied:  # stored once, as the embedding
             weights.pop("lm_head.weight", None)
         return Checkpoint(self.config, self.data.tokenizer.to_dict(), weights, self.train_config, state,
-                          distributed.full_optimizer_state(self.model, self.optimizer), rng)
+                          distributed.optimizer_state(self.model, self.optimizer, gather), rng)
+
+    def save(self, checkpoint: Checkpoint, names: list[str]) -> None:
+        """Save `checkpoint` as `names`: sharded by every rank, or as files by the main process."""
+        if self.shard or self.dist.is_main:
+            save_to_run(self.run_dir, names, checkpoint, self.shard)
+        self.last_saved = time.perf_counter()
 
     def train_step(self, stop_requested: bool, save_due: bool) -> StepResult:
         """One optimiser step over `grad_accum` micro-batches: the mean loss, the gradient norm, whether to
@@ -300,7 +330,7 @@ class Trainer:
         self.tokens_seen += scored
         total = 0.0
         for micro, batch in enumerate(batches):
-            batch = [t[rows].to(self.device) for t in batch]  # this rank's share
+            batch = tuple(t[rows].to(self.device) for t in batch)  # this rank's share
             share = int((batch[-1] != -1).sum()) / scored
             with distributed.gradient_sync(self.model, micro == cfg.grad_accum - 1):
                 with autocast(self.device, self.dtype):
@@ -346,22 +376,31 @@ class Trainer:
         self.best_val = min(self.best_val, losses["val"])
         self.stale = 0 if improved else self.stale + 1
         checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
-        self.last_saved = time.perf_counter()
-        if self.metrics is None:
-            return
+        if self.metrics is not None:
+            self.report(losses)
+        self.save(checkpoint, [BEST, LAST] if improved else [LAST])
+        if self.dist.is_main:
+            plot_losses(self.run_dir / "metrics.csv", self.run_dir / "loss.png", title=self.run_dir.name,
+                        steps_csv=self.run_dir / "steps.csv")
+
+    def report(self, losses: dict[str, float]) -> None:
+        """The main process's record of an evaluation: metrics.csv, the sinks and the log line."""
+        assert self.metrics is not None and self.sinks is not None, "rank 0 holds both"
         self.model.eval()
         model = distributed.unwrap(self.model)
         extra = self.data.metrics(model, losses, self.train_config.seed + 2, self.device)
         # Head scores use their own generator and run in eval mode: training's random streams are
         # untouched, so a run with --track-heads resumes as exactly as one without.
-        heads = head_metrics(model, self.train_config.seed + 3) if self.train_config.track_heads else {}
+        heads = {}
+        if self.train_config.track_heads:
+            assert isinstance(model, GPT), "__init__ refuses --track-heads for other models"
+            heads = head_metrics(model, self.train_config.seed + 3)
         self.model.train()
         self.metrics.append(
             step=self.step, train_loss=losses["train"], val_loss=losses["val"], **extra, **heads,
             lr=learning_rate(self.step, self.train_config), tokens_per_s=self.tokens_per_s(),
             elapsed_s=self.train_time,
         )
-        assert self.sinks is not None, "rank 0 holds both"
         self.sinks.log(self.step, {
             "eval/train_loss": losses["train"], "eval/val_loss": losses["val"],
             **{f"eval/{name}": value for name, value in extra.items() if not isinstance(value, str)},
@@ -372,18 +411,10 @@ class Trainer:
         log.info(f"step {self.step}/{self.train_config.max_steps}: train loss {losses['train']:.4f}, "
                  f"val loss {losses['val']:.4f} ({shown}), {self.tokens_per_s():,.0f} tokens/s, "
                  f"{self.train_time:.0f} s{head_summary(heads)}")
-        if improved:
-            save_checkpoint(self.run_dir / BEST, checkpoint)
-        save_checkpoint(self.run_dir / LAST, checkpoint)
-        plot_losses(self.run_dir / "metrics.csv", self.run_dir / "loss.png", title=self.run_dir.name,
-                    steps_csv=self.run_dir / "steps.csv")
 
     def save_last(self) -> None:
         """Save `last` without evaluating: when interrupted, and every `save_every` seconds of training."""
-        checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
-        if self.dist.is_main:
-            save_checkpoint(self.run_dir / LAST, checkpoint)
-        self.last_saved = time.perf_counter()
+        self.save(self.checkpoint(), [LAST])  # on every rank: gathering sharded weights is collective
 
     def save_due(self) -> bool:
         """Whether `save_every` seconds have passed since the last save (rank 0's clock decides)."""
@@ -451,8 +482,9 @@ def train(run_dir: str | Path, data: str | Path, model_config: ModelConfig, trai
     fine-tuning. Under torchrun every process calls this; rank 0 prepares the data and writes files.
     """
     run_dir = Path(run_dir)
-    start = load_checkpoint(init_from) if init_from is not None else None
-    if start is not None:
+    start: Checkpoint | None = None
+    if init_from is not None:
+        start = load_checkpoint(init_from)
         require_architecture(architecture(start.model_config), init_from, "decoder")
         model_config = start.model_config
     with run_folder(run_dir, new=True), distributed.session(train_config.device) as (dist, device):
@@ -510,17 +542,18 @@ def run_folder(run_dir: Path, new: bool) -> Iterator[None]:
         if new:
             check_new_run(run_dir)
         remove_stale_temporaries(run_dir)
+        sharded.remove_unnamed(run_dir)  # sharded saves a kill interrupted
         try:
             yield
         except BaseException:
-            if created and not (run_dir / LAST).exists():
+            if created and not has_checkpoint(run_dir, LAST):
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
 
 
 def check_new_run(run_dir: Path) -> None:
     """Refuse to start a run in a folder that holds one, or that holds files and is not a gptlab run."""
-    if (run_dir / LAST).exists():
+    if has_checkpoint(run_dir, LAST):
         raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
     if is_run_folder(run_dir):
         return  # a run that was stopped before its first checkpoint: start it again
@@ -531,7 +564,7 @@ def check_new_run(run_dir: Path) -> None:
 
 def is_run_folder(path: Path) -> bool:
     """Whether `path` holds a gptlab run: a checkpoint, or the config.json a run writes first."""
-    if (path / LAST).exists() or (path / BEST).exists():
+    if has_checkpoint(path):
         return True
     try:
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -590,7 +623,7 @@ def saved_machine(run_dir: Path) -> dict[str, Any] | None:
 
 # What `resume` may change: how long the run goes on, where it runs and where its metrics go, never
 # what it computes.
-RESUMABLE = ("max_steps", "save_every", "device", "compile", "log")
+RESUMABLE = ("max_steps", "save_every", "device", "compile", "log", "checkpoint_format")
 
 
 def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,
@@ -605,7 +638,10 @@ def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = 
     """
     run_dir = Path(run_dir)
     with run_folder(run_dir, new=False):
-        checkpoint = load_checkpoint(run_dir, prefer=LAST)
+        saved = load_header(run_dir, prefer=LAST).train_config
+        # A sharded run reads only its own shards; any other reads whole tensors.
+        lazy = distributed.this_process().world_size > 1 and saved is not None and saved.parallel == "fsdp"
+        checkpoint = load_checkpoint(run_dir, prefer=LAST, lazy=lazy)
         if expect is not None:
             require_architecture(architecture(checkpoint.model_config), run_dir, expect)
         check_resumable(checkpoint, run_dir)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gptlab import hf_folder
+from gptlab.interop import hf_folder
 from gptlab.model import GPT
 from gptlab.tokenizer import ImportedTokenizer, Tokenizer, tokenizer_from_dict
 
@@ -181,7 +181,7 @@ def tokenizer_with_tokens(tokenizer: Tokenizer, tokens: Sequence[str]) -> Tokeni
 
     saved = tokenizer.to_dict()
     if saved["kind"] == "gpt2":  # tiktoken's ranks as the same BPE in Hugging Face's format, which can grow
-        from gptlab.convert import hf_tokenizer_json
+        from gptlab.interop.hf_tokenizer import hf_tokenizer_json
 
         saved = {"kind": "bpe", "json": hf_tokenizer_json(saved)}
     if saved["kind"] not in ("bpe", ImportedTokenizer.kind):
@@ -232,11 +232,10 @@ def chat_source(path: str | Path, conversations: bool = True) -> ChatSource:
     """The tokenizer, chat template and context length of a gptlab run, or of a Hugging Face folder
     (tokenizer.json, tokenizer_config.json, config.json). For `conversations`, markers a native template
     needs and the tokenizer lacks are added to it, as fine-tuning would add them (the notes say so)."""
-    from gptlab.checkpoint import load_header
+    from gptlab.checkpoint import has_checkpoint, load_header
 
     path = Path(path)
-    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and not any(
-            (path / name).is_file() for name in ("best.safetensors", "last.safetensors")):
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file() and not has_checkpoint(path):
         source = _hf_source(path)
     else:
         header = load_header(path)

@@ -36,6 +36,7 @@ from gptlab.checkpoint import (
     LAST,
     Checkpoint,
     architecture,
+    has_checkpoint,
     load_checkpoint,
     model_tensors,
     require_architecture,
@@ -44,6 +45,7 @@ from gptlab.checkpoint import (
 )
 from gptlab.common import seed_everything
 from gptlab.config import Config, TrainConfig, check_choice, flag, option
+from gptlab.model import GPT
 from gptlab.presets import config_layers
 from gptlab.tokenizer import Tokenizer
 from gptlab.train import (
@@ -160,8 +162,7 @@ class SFTData:
 def base_checkpoint(base: str | Path) -> Checkpoint:
     """The base run's checkpoint (its best), refusing what cannot be fine-tuned here."""
     path = Path(base)
-    if (path / "config.json").is_file() and not (path / BEST).is_file() and not (path / LAST).is_file() \
-            and (path / "tokenizer.json").is_file():
+    if (path / "config.json").is_file() and not has_checkpoint(path) and (path / "tokenizer.json").is_file():
         raise ValueError(f"{base} is a Hugging Face folder: import it first (gptlab import-hf {base} RUN), "
                          "then fine-tune RUN")
     start = load_checkpoint(path)
@@ -173,10 +174,10 @@ def base_checkpoint(base: str | Path) -> Checkpoint:
 
 
 def prepare_model(start: Checkpoint, data_path: str | Path, lora: LoraConfig | None,
-                  seed: int) -> tuple[nn.Module, Tokenizer, ChatTemplate, list[str]]:
+                  seed: int) -> tuple[GPT, Tokenizer, ChatTemplate, list[str]]:
     """The base model ready to fine-tune (chat markers added when the data needs them, adapters on with
     `lora`), its tokenizer, the chat template and notes for the user."""
-    model, tokenizer = start.build_model(), start.load_tokenizer()
+    model, tokenizer = start.build_gpt(), start.load_tokenizer()
     template = template_from_state(start.state)
     notes = []
     shape, _ = read_records(data_path)
@@ -250,7 +251,7 @@ def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_
         record = {key: state[key] for key in KEPT if key in state}
         data = SFTData(saved, checkpoint.load_tokenizer(), template_from_state(state),
                        checkpoint.model_config.block_size, record)
-        model = checkpoint.build_model() if ADAPTER in state else None  # the base with the saved adapters
+        model = checkpoint.build_gpt() if ADAPTER in state else None  # the base with the saved adapters
         with distributed.session(train_config.device) as (dist, device):
             if train_config != checkpoint.train_config and dist.is_main:
                 write_run_config(out, checkpoint.model_config, train_config, data, saved_machine(out))
@@ -266,8 +267,9 @@ def merge_run(run: str | Path, out: str | Path) -> Path:
     if ADAPTER not in checkpoint.state:
         raise ValueError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): there is "
                          "nothing to merge")
-    model = merge_lora(checkpoint.build_model())
-    state = {key: checkpoint.state[key] for key in ("chat_template", "generation") if key in checkpoint.state}
+    model = merge_lora(checkpoint.build_gpt())
+    state: dict[str, Any] = {key: checkpoint.state[key] for key in ("chat_template", "generation")
+                             if key in checkpoint.state}
     with run_folder(out, new=True):
         save_checkpoint(out / BEST, Checkpoint(model.config, checkpoint.tokenizer, model_tensors(model),
                                                state=state))

@@ -34,9 +34,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from gptlab.config import Config, check_positive, option
-from gptlab.convert import Conversion, export_family, gpt2_names
-from gptlab.convert_llama import llama_names, split_sizes
 from gptlab.files import atomic_write, atomic_write_text
+from gptlab.interop.gpt2 import gpt2_names
+from gptlab.interop.huggingface import Conversion, export_family
+from gptlab.interop.llama import llama_names, split_sizes
 from gptlab.model import GPT
 
 # The attention projections (fused QKV, W_O) and the FFN's (up, gate, down) of every block.
@@ -120,7 +121,7 @@ def add_lora(model: GPT, config: LoraConfig) -> GPT:
     if lora_layers(model):
         raise ValueError("this model already has LoRA adapters: merge them (merge_lora) or start from "
                          "the base model")
-    linears = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     chosen = [name for name in linears if any(_matches(name, t) for t in config.targets)]
     required = [] if config.targets == DEFAULT_TARGETS else config.targets
     unmatched = [t for t in required if not any(_matches(name, t) for name in linears)]
@@ -133,7 +134,7 @@ def add_lora(model: GPT, config: LoraConfig) -> GPT:
                          "change the embedding when merged; leave lm_head out of the targets")
     model.requires_grad_(False)
     for name in chosen:
-        _replace(model, name, LoraLinear(model.get_submodule(name), config))  # only A and B require grad
+        _replace(model, name, LoraLinear(linears[name], config))  # only A and B require grad
     return model
 
 
@@ -207,7 +208,7 @@ def peft_modules(model: GPT) -> dict[str, list[tuple[str, slice]]]:
     config = model.config
     family = export_family(config)
     if family == "gpt2":
-        names = {ours: (theirs,) for ours, theirs in gpt2_names(config).items()}
+        names: dict[str, tuple[str, ...]] = {ours: (theirs,) for ours, theirs in gpt2_names(config).items()}
     else:
         names = llama_names(config)
     out: dict[str, list[tuple[str, slice]]] = {}
@@ -238,7 +239,7 @@ def peft_adapter(model: GPT, config: LoraConfig,
         for theirs, rows in parts:  # a copy of A for each, and its own rows of B
             tensors[f"{PEFT_PREFIX}{theirs}.lora_A.weight"] = a.clone().contiguous()
             tensors[f"{PEFT_PREFIX}{theirs}.lora_B.weight"] = b[rows].clone().contiguous()
-    values = {
+    values: dict[str, object] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,

@@ -64,13 +64,13 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune a run on JSONL examples (or continue doing so), then report the run."""
     from gptlab import distributed
     from gptlab.adapt.finetune import DEFAULTS, LORA_LR, SFTConfig, finetune, resume_finetune
-    from gptlab.checkpoint import LAST
+    from gptlab.checkpoint import LAST, has_checkpoint
     from gptlab.config import TrainConfig
 
     sft = SFTConfig(**config_overrides(args, SFTConfig))  # --data among them
     lora, train_overrides = lora_config(args), config_overrides(args, TrainConfig)
     progress = not args.no_progress
-    repeated = not args.resume and (Path(args.out) / LAST).is_file()
+    repeated = not args.resume and has_checkpoint(Path(args.out), LAST)
     if repeated:  # the same command again continues its run; one that would change it is refused by name
         print(f"note: {args.out} already holds a fine-tuning run: continuing it, as --resume would")
     if args.resume or repeated:

@@ -25,7 +25,7 @@ class TqdmHandler(logging.Handler):
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Config], title: str,
-                         exclude: Sequence[str] = (), defaults: Mapping[str, str] | None = None) -> None:
+                         exclude: Sequence[str] = (), defaults: Mapping[str, object] | None = None) -> None:
     """Add one `--field-name VALUE` option per config field; only options the user gives are kept.
 
     `defaults` replaces the default shown in the help of the fields a preset sets.
@@ -80,17 +80,19 @@ def report_run(result: Any, out: Path, evaluate: Callable[[], str] | None = None
           f"{result.elapsed_s:.0f} s of training", flush=True)
     print(evaluate() if evaluate else f"best validation loss {result.best_val_loss:.4f} (estimated during "
           "training on sampled batches of the val split)")
-    kept = ["best.safetensors", "last.safetensors", "metrics.csv", "steps.csv", "loss.png",
-            *(f"{name}/" for name in ("tensorboard", "wandb") if (out / name).is_dir())]  # --log's
+    names = ["best.safetensors", "best.shards.json", "last.safetensors", "last.shards.json", "shards",
+             "metrics.csv", "steps.csv", "loss.png", "tensorboard", "wandb"]  # shards and --log's: folders
+    kept = [f"{name}/" if (out / name).is_dir() else name for name in names if (out / name).exists()]
     print(f"run folder: {out} ({', '.join(kept)})")
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """--resume and --stop-at, shared by the training commands."""
     parser.add_argument("--resume", action="store_true",
-                        help="continue the run in --out from last.safetensors, exactly as it was saved. Only "
-                        "--max-steps, --save-every, --device, --compile, --log (and --data for a moved run) "
-                        "may be given: a larger --max-steps extends a finished run, keeping the "
+                        help="continue the run in --out from its last checkpoint, exactly as it was saved. "
+                        "Only --max-steps, --save-every, --device, --compile, --log, --checkpoint-format "
+                        "(and --data for a moved run) may be given: a larger --max-steps extends a finished "
+                        "run, keeping the "
                         "learning-rate schedule of its first max_steps and holding min_lr after it")
     parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop (and save) at this step, keeping "
                         "the schedule of the full run; resume later with --resume")

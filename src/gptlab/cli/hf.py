@@ -11,7 +11,7 @@ from typing import Any
 def cmd_export_hf(args: argparse.Namespace) -> int:
     """Write a run as a Hugging Face GPT-2, Llama or Qwen2 folder."""
     from gptlab.adapt.lora import ADAPTER_CONFIG
-    from gptlab.convert import export_hf
+    from gptlab.interop.huggingface import export_hf
 
     result = export_hf(args.run, args.out_dir, adapter_only=args.adapter_only)
     adapter = next(((result.out_dir / name).parent for name in result.files
@@ -26,7 +26,7 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     """Read a local Hugging Face GPT-2, Llama or Qwen2 folder into a gptlab run folder."""
-    from gptlab.convert import import_hf
+    from gptlab.interop.huggingface import import_hf
 
     result = import_hf(args.hf_dir, args.out_dir)
     report_conversion(result, f"try it: gptlab sample {result.out_dir}")

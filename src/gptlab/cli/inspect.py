@@ -113,9 +113,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     import torch
 
-    from gptlab.checkpoint import architecture, load_checkpoint
+    from gptlab.checkpoint import load_checkpoint
     from gptlab.checks import failed
     from gptlab.common import resolve_device
+    from gptlab.encoder_decoder import EncoderDecoder
     from gptlab.inspection.verify import verify_model
     from gptlab.inspection.verify_finetune import measured_model, verify_finetuned
     from gptlab.inspection.verify_seq2seq import verify_seq2seq
@@ -123,7 +124,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     # The handout's checks use random token ids; only a fine-tuned run's data checks read its tokenizer.
     checkpoint = load_checkpoint(args.run)
     model = checkpoint.build_model().to(resolve_device(args.device)).eval()
-    if architecture(checkpoint.model_config) == "encoder-decoder":
+    if isinstance(model, EncoderDecoder):
         properties = verify_seq2seq(model, seed=args.seed)
     else:
         measured = measured_model(model)  # an adapter run's merged copy
@@ -235,7 +236,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
     rows = [row for row in scores.rows() if row["layer"] in layers and row["head"] in heads]
     for row in rows:
         if ablation is not None:
-            row["ablated_repeat_loss_change"] = float(ablation[row["layer"], row["head"]])
+            row["ablated_repeat_loss_change"] = float(ablation[int(row["layer"]), int(row["head"])])
     rows.sort(key=lambda row: -row[args.sort])
     if args.json:
         for row in rows:

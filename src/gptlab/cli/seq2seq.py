@@ -66,13 +66,13 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
         report_run(result, out)
     if not is_main or result.interrupted:
         return result.exit_status
-    model, vocab, task = load_seq2seq(out)
+    trained, vocab, task = load_seq2seq(out)
     import torch
 
-    score = tasks.exact_match(model, task, task.eval_examples, seed=0, device=torch.device("cpu"))
+    score = tasks.exact_match(trained, task, task.eval_examples, seed=0, device=torch.device("cpu"))
     print(f"best checkpoint: {score:.1%} exact match on {task.eval_examples} held-out {task.task} examples")
     shown = tasks.draw_sources(task, torch.Generator().manual_seed(1), SHOWN_EXAMPLES, held_out=True)
-    print("\n".join(answer_lines(model, vocab, task, shown)))
+    print("\n".join(answer_lines(trained, vocab, task, shown)))
     return 0
 
 

@@ -81,13 +81,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     data, and only rank 0 prints.
     """
     from gptlab import distributed
-    from gptlab.checkpoint import LAST
+    from gptlab.checkpoint import LAST, has_checkpoint
     from gptlab.presets import resolve_configs
     from gptlab.train import resume, train
 
     out = Path(args.out)
     is_main = distributed.this_process().is_main
-    repeated = not args.resume and (out / LAST).is_file()  # the same command again continues its run
+    repeated = not args.resume and has_checkpoint(out, LAST)  # the same command again continues its run
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts counts here
     if repeated and is_main:
         print(f"note: torchrun restarted the workers (restart {restart}): continuing {out} from its last "
@@ -333,6 +333,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from gptlab.checkpoint import consolidate
+
+    written = consolidate(Path(args.run))
+    for file in written:
+        print(f"wrote {file}")
+    if not written:
+        print(f"{args.run} holds single-file checkpoints already: nothing to consolidate")
+    return 0
+
+
 def add_model_commands(sub: Any) -> None:
     """The lab / model commands."""
     lab = sub.add_parser(
@@ -378,7 +389,8 @@ def add_data_commands(sub: Any) -> None:
         description="Train a GPT on a corpus with teacher forcing. Settings are layered: defaults, "
         "then --preset, then --config FILE.toml ([model] and [train] tables), then options below. "
         "The run folder gets config.json, metrics.csv, steps.csv, loss.png, last.safetensors and "
-        "best.safetensors. Ctrl-C saves and stops; --resume continues exactly.",
+        "best.safetensors (sharded under torchrun --parallel fsdp: see --checkpoint-format). Ctrl-C saves "
+        "and stops; --resume continues exactly.",
         epilog="example: gptlab train --preset demo --data shakespeare --out runs/demo",
     )
     tr.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
@@ -389,6 +401,18 @@ def add_data_commands(sub: Any) -> None:
     add_train_options(tr, data_help=", or a prepared folder (default shakespeare); with --resume, the run's "
                       "prepared folder if it was moved")
     tr.set_defaults(func=cmd_train)
+
+    co = sub.add_parser(
+        "consolidate", help="turn a run's sharded checkpoints into single safetensors files",
+        description="A run trained under torchrun with --parallel fsdp saves sharded checkpoints "
+        "(RUN/shards/, named by last.shards.json and best.shards.json): every command reads them as they "
+        "are. "
+        "consolidate writes last.safetensors and best.safetensors from them in one process and removes "
+        "the shards, for copying a run as two files or for tools that read one file.",
+        epilog="example: gptlab consolidate runs/fsdp",
+    )
+    co.add_argument("run", help="run folder")
+    co.set_defaults(func=cmd_consolidate)
 
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint, or standard benchmarks",
                         description="Report the loss, perplexity and bits per character of a run's "

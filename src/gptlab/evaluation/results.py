@@ -9,11 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from gptlab.evaluation.metrics import Metric, bits_per_byte, correct, correct_normalised, mean_metric
 from gptlab.evaluation.scoring import encode_pair, score_pairs
 from gptlab.evaluation.tasks import PACKAGE, Document, Task, load_task
+from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer
 
 
@@ -42,7 +41,7 @@ def encodable(tokenizer: Tokenizer, document: Document, block_size: int) -> list
     return pairs if all(0 < len(continuation) <= block_size for _, continuation in pairs) else []
 
 
-def run_task(model: torch.nn.Module, tokenizer: Tokenizer, task: Task, batch_size: int = 16,
+def run_task(model: GPT, tokenizer: Tokenizer, task: Task, batch_size: int = 16,
              progress: bool = False) -> TaskResult:
     """Score every document of `task`; ValueError if the tokenizer can encode fewer than half of them."""
     begin = time.perf_counter()
@@ -127,7 +126,7 @@ def table(results: Sequence[TaskResult]) -> str:
     return "\n".join(lines)
 
 
-def evaluate_benchmarks(model: torch.nn.Module, tokenizer: Tokenizer, names: Sequence[str],
+def evaluate_benchmarks(model: GPT, tokenizer: Tokenizer, names: Sequence[str],
                         variant: str | None = None, shots: int | None = None, limit: int | None = None,
                         batch_size: int = 16, progress: bool = False) -> tuple[list[TaskResult], list[str]]:
     """Score the named tasks (their rc_0shot variants unless `variant` or `shots` picks another), each

@@ -2,7 +2,7 @@
 
 lm-eval (`HFLM._encode_pair` and `_loglikelihood_tokens`): trailing spaces of the context move to the
 continuation; the whole text is encoded and split after the context's own token count; the model reads
-(context + continuation)[-(block_size + 1):][:-1] and the last len(continuation) positions are scored.
+`(context + continuation)[-(block_size + 1):][:-1]` and the last `len(continuation)` positions are scored.
 Shapes: B batch, T tokens, V vocabulary.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer
 
 
@@ -41,7 +42,7 @@ def encode_pair(tokenizer: Tokenizer, request: Request) -> tuple[list[int], list
 
 
 @torch.no_grad()
-def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 16,
+def score_pairs(model: GPT, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 16,
                 progress: bool = False) -> list[tuple[float, bool]]:
     """(sum of log-probabilities, is greedy) of each encoded continuation after its context."""
     if batch_size < 1:
@@ -65,17 +66,17 @@ def score_pairs(model: torch.nn.Module, pairs: Sequence[tuple[list[int], list[in
                 x[row, :len(ids)] = torch.tensor(ids)
             logits, _ = model(x.to(device))  # (B, T, V)
             for row, i in enumerate(chunk):
-                continuation = torch.tensor(pairs[i][1], device=device)  # (C,)
+                answer = torch.tensor(pairs[i][1], device=device)  # (C,) the continuation's ids
                 end = len(inputs[row])
                 # only the C positions that predict the continuation are normalised: (C, V)
-                logprobs = torch.log_softmax(logits[row, end - len(continuation):end].float(), dim=-1)
-                total = logprobs.gather(1, continuation[:, None]).sum().item()
-                results[i] = (total, bool((logprobs.argmax(dim=-1) == continuation).all()))
+                logprobs = torch.log_softmax(logits[row, end - len(answer):end].float(), dim=-1)
+                total = logprobs.gather(1, answer[:, None]).sum().item()
+                results[i] = (total, bool((logprobs.argmax(dim=-1) == answer).all()))
             bar.update(len(chunk))
     return results
 
 
-def loglikelihoods(model: torch.nn.Module, tokenizer: Tokenizer, requests: list[Request],
+def loglikelihoods(model: GPT, tokenizer: Tokenizer, requests: list[Request],
                    batch_size: int = 16, progress: bool = False) -> list[tuple[float, bool]]:
     """Sum of log-probabilities of each continuation given its context, and whether it is the greedy
     continuation, tokenised as lm-eval's HF backend does (a context longer than the window cut on the

@@ -175,8 +175,9 @@ def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
     if not auto:
         return grid, None
     first = auto[0]
-    probe = {"cell": first.name, "rows": first.train_config.batch_size, "threads": threads}
-    kept = earlier is not None and "precision" in earlier
+    probe: dict[str, Any] = {"cell": first.name, "rows": first.train_config.batch_size, "threads": threads}
+    earlier = earlier or {}  # None: nothing was decided before
+    kept = "precision" in earlier
     if kept:
         saved, probe = earlier["precision"], earlier.get("probe", probe)
         decision = Decision("precision", saved["value"], saved["why"], saved.get("ms_per_step", {}))

@@ -158,9 +158,10 @@ def build_grid(base: RunOptions, varies: list[tuple[str, tuple[str, ...]]]) -> l
             section, name, value = option_value(key, text)
             if section == "source":
                 options = dataclasses.replace(options, **{name: value})
+            elif section == "model":
+                options = dataclasses.replace(options, model={**options.model, name: value})
             else:
-                changed = {**getattr(options, section), name: value}
-                options = dataclasses.replace(options, **{section: changed})
+                options = dataclasses.replace(options, train={**options.train, name: value})
         name = ",".join(f"{key}={text}" for key, text in settings) or "base"
         try:
             model_config, train_config = options.configs()

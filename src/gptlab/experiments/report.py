@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from gptlab.checkpoint import LAST, load_header
+from gptlab.checkpoint import LAST, has_checkpoint, load_header
 from gptlab.experiments.grid import Cell, Run
 from gptlab.experiments.runner import FINAL_TOKENS, final_loss
 from gptlab.files import atomic_write_text
@@ -115,7 +115,7 @@ def summarise(runs: list[Run]) -> list[CellSummary]:
     summaries = []
     for cell in dict.fromkeys(r.cell for r in runs):
         records = tuple(record for r in runs if r.cell == cell and (record := read_run(r)) is not None)
-        done = [r for r in runs if r.cell == cell and (r.folder / LAST).exists()]
+        done = [r for r in runs if r.cell == cell and has_checkpoint(r.folder, LAST)]
         config = load_header(done[0].folder, prefer=LAST).model_config if done else cell.model_config
         summaries.append(CellSummary(cell, records, parameter_count(config)["total"]))
     return summaries

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gptlab.checkpoint import LAST, load_header
+from gptlab.checkpoint import LAST, has_checkpoint, load_header
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.experiments.grid import Cell, Run, config_differences, safe_name
 from gptlab.files import atomic_write_text
@@ -118,7 +118,7 @@ def plan_job(run: Run, data: Path, threads: int, logs: Path) -> Job | None:
     log_file = logs / f"{safe_name(run.cell.name)}.seed-{run.seed}.log"
     job = Job(run.label, run.folder, data, model.to_dict(), train.to_dict(), "train", threads=threads,
               log_file=log_file)
-    if not (run.folder / LAST).exists():
+    if not has_checkpoint(run.folder, LAST):
         return job
     header = load_header(run.folder, prefer=LAST)
     saved = header.train_config or TrainConfig()
@@ -210,7 +210,8 @@ def execute(job: Job) -> Outcome:
 def follow_parent() -> None:
     """Leave the terminal's process group (the parent forwards one stop signal itself) and, on Linux, be
     sent SIGTERM when the parent dies, so a killed comparison's runs save and stop rather than run on."""
-    os.setpgrp()
+    if hasattr(os, "setpgrp"):  # not on Windows
+        os.setpgrp()
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -259,7 +260,7 @@ def run_jobs(jobs: list[Job], n_workers: int, on_outcome: Callable[[Outcome], No
             on_outcome(outcome)
     except KeyboardInterrupt:
         for process in processes:  # the workers left the terminal's group: tell each one, once
-            if process.is_alive():
+            if process.is_alive() and process.pid is not None:  # a started process has its pid
                 os.kill(process.pid, signal.SIGTERM)
         for process in processes:
             process.join()

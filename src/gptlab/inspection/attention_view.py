@@ -100,6 +100,7 @@ def draw_grid(weights: torch.Tensor, query_labels: Sequence[str], key_labels: Se
         axes[r][0].set_ylabel(axes_names[0], fontsize=8)
     for ax in axes[-1]:
         ax.set_xlabel(axes_names[1], fontsize=8)
+    assert image is not None, "draw_grid needs at least one layer and one head"
     fig.colorbar(image, ax=axes, shrink=min(0.8, 3.0 / n_rows + 0.2), label="attention weight")
     fig.suptitle(title, fontsize=10)
     fig.savefig(path, format="png")

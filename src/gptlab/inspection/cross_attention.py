@@ -24,7 +24,7 @@ from gptlab.tokenizer import SymbolTokenizer
 
 def cross_inputs(model: EncoderDecoder, tgt: torch.Tensor, source: EncodedSource) -> list[torch.Tensor]:
     """Each decoder layer's input to cross-attention (B, T, D), recorded during one decode."""
-    crosses = [block.cross for block in model.decoder.h]
+    crosses = [block.cross for block in model.decoder_blocks]
     return [args[0] for args in recorded_inputs(crosses, lambda: model.decode(tgt, source))]
 
 
@@ -51,14 +51,17 @@ def cross_attention_maps(model: EncoderDecoder, vocab: SymbolTokenizer, task: Ta
     device = next(model.parameters()).device
     src = tasks.encode_sources(vocab, [source]).to(device)  # (1, S)
     answer = decode_answers(model, src, tasks.BOS, tasks.EOS)[0]
+    fed = ([tasks.BOS] + answer)[:model.config.block_size]  # an answer that never ends fills the window
     encoded = model.encode(src)
-    inputs = cross_inputs(model, torch.tensor([[tasks.BOS] + answer], device=device), encoded)
+    inputs = cross_inputs(model, torch.tensor([fed], device=device), encoded)
+    blocks = model.decoder_blocks
     weights = torch.stack([
-        model.decoder.h[n].cross.attention_weights(inputs[n], encoded.keys_values[n], encoded.mask)[0, heads]
+        blocks[n].cross.attention_weights(inputs[n], encoded.keys_values[n], encoded.mask)[0, heads]
         for n in layers
     ])  # (L', H', T, S)
     source_labels = list(source) + ["<eos>"]
-    answer_labels = [vocab.decode([token]) for token in answer] + ["<eos>"]
+    # Row i predicts the answer's token i, or <eos> after the last one (rows: the tokens fed).
+    answer_labels = ([vocab.decode([token]) for token in answer] + ["<eos>"])[:len(fed)]
     return CrossAttentionMaps(source, vocab.decode(answer), source_labels, answer_labels, layers, heads,
                               weights.float().cpu())
 

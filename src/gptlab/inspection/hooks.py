@@ -144,7 +144,7 @@ def _register(model: GPT, name: str, fn: HookFn) -> torch.utils.hooks.RemovableH
     layer, point = parse_point(model, name)
     if layer is None:
         return model.transformer.drop.register_forward_hook(_output_hook(fn, name))
-    block = model.transformer.h[layer]
+    block = model.transformer.blocks[layer]
     if point == "resid_pre":
         return block.register_forward_pre_hook(_input_hook(fn, name))
     if point == "attn.in":
@@ -152,6 +152,7 @@ def _register(model: GPT, name: str, fn: HookFn) -> torch.utils.hooks.RemovableH
     if point == "attn.heads":
         return block.attn.c_proj.register_forward_pre_hook(_heads_hook(fn, name, model.config.n_head))
     module = {"attn.out": block.attn, "mlp.out": block.mlp, "resid_post": block}[point]
+    assert module is not None, "parse_point offers mlp.out only where the block has an FFN"
     return module.register_forward_hook(_output_hook(fn, name))
 
 
@@ -170,9 +171,9 @@ def hooked(model: GPT, fns: Mapping[str, HookFn], heads: Sequence[int] | None = 
             layer, point = points[name]
             if point not in RECOMPUTED:
                 handles.append(_register(model, name, fns[name]))
-            elif layer in routing:  # one recomputation per layer serves both its scores and weights
+            elif layer is not None and layer in routing:  # one recomputation per layer: scores and weights
                 routing.discard(layer)
-                attn = model.transformer.h[layer].attn
+                attn = model.transformer.blocks[layer].attn
                 handles.append(attn.register_forward_pre_hook(_routing_hook(fns, layer, heads)))
         yield model
     finally:

@@ -13,6 +13,7 @@ Shape legend: S stages (L + 1), T positions, V vocabulary, k top predictions.
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gptlab.inspection.hooks import record
+from gptlab.inspection.page import static_text
 from gptlab.inspection.tokens import token_label, token_labels
 from gptlab.model import GPT
 from gptlab.tokenizer import Tokenizer
@@ -107,7 +109,10 @@ def save_lens_png(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> No
 
 
 def save_lens_html(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> None:
-    """One self-contained page: the table coloured by p(next); hover a cell for the stage's top five."""
+    """One self-contained page: the table coloured by p(next); hover a cell for the stage's top five.
+
+    The page is the package data file static/lens.html (its style inline) with its slots filled here.
+    """
     rows = []
     for s, stage in enumerate(lens.stages):
         cells = []
@@ -120,11 +125,7 @@ def save_lens_html(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> N
             cells.append(f'<td title="{html.escape(tops)}" style="{colour}">{top}</td>')
         rows.append(f"<tr><th>{html.escape(stage)}</th>{''.join(cells)}</tr>")
     header = "".join(f"<th>{html.escape(label)}</th>" for label in lens.labels)
-    title = html.escape(f"logit lens: {lens.prompt!r}")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title><style>"
-            "body{font-family:sans-serif}td,th{border:1px solid #ccc;padding:3px 6px;font-family:monospace;"
-            "text-align:center}</style></head><body>"
-            f"<h3>{title}</h3><p>Each cell: the stage's likeliest next token; colour: the probability of "
-            "the token that actually comes next; hover for the top five.</p>"
-            f"<table><tr><th>stage</th>{header}</tr>{''.join(rows)}</table></body></html>\n")
+    slots = {"TITLE": html.escape(f"logit lens: {lens.prompt!r}"), "HEADER": header, "ROWS": "".join(rows)}
+    # One pass, so a prompt or token that spells a slot name is never filled in turn.
+    page = re.sub("__(TITLE|HEADER|ROWS)__", lambda m: slots[m.group(1)], static_text("lens.html", None))
     Path(path).write_text(page, encoding="utf-8")

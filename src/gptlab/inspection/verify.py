@@ -70,7 +70,7 @@ def check_generation(model: GPT, generator: torch.Generator, eps: float) -> chec
 
 def check_projections(model: GPT, idx: torch.Tensor, eps: float) -> checks.Check:
     """§4.2 on every layer's real input: fused = separate projections, fast kernel = heads written out."""
-    layers = [block.attn for block in model.transformer.h]
+    layers = [block.attn for block in model.transformer.blocks]
     inputs = recorded_inputs(layers, lambda: model(idx))
     pairs = [pair for attn, (x, *_) in zip(layers, inputs, strict=True)
              for pair in checks.fused_and_separate(attn, x)]
@@ -86,7 +86,7 @@ def check_permutation(model: GPT, idx: torch.Tensor, generator: torch.Generator,
         note = f"the model has {model.config.positions} positions, which break it by design"
         return checks.Check("§6.1", name, None, note=note)
     unmasked = copy.deepcopy(model)
-    for block in unmasked.transformer.h:
+    for block in unmasked.transformer.blocks:
         block.attn.causal = False
     perm = torch.randperm(idx.size(1), generator=generator).to(idx.device)
     return checks.permutation_equivariant(name, lambda t: unmasked(t)[0], idx, perm, checks.relative(eps),

@@ -83,7 +83,7 @@ def lora_checks(model: GPT, state: Mapping[str, Any], idx: torch.Tensor, eps: fl
     if ADAPTER not in state:
         note = "full fine-tuning: no adapters, every weight was trained"
         return [checks.Check(LORA, MERGED, None, note=note), checks.Check(LORA, DISABLED, None, note=note)]
-    base = load_checkpoint(state[ADAPTER]["base"]).build_model().to(idx.device).eval()
+    base = load_checkpoint(state[ADAPTER]["base"]).build_gpt().to(idx.device).eval()
     return [check_merge(model, idx, eps), check_disabled(model, base, idx)]
 
 

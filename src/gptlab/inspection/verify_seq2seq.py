@@ -28,13 +28,14 @@ FIRST_SYMBOL = len(tasks.SPECIALS)  # random ids start here: never <pad>, <bos> 
 
 def attention_weights(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor) -> list[torch.Tensor]:
     """Every head's weights, recomputed from each module's recorded input: encoder, decoder, cross."""
-    selfs = [block.attn for block in (*model.encoder.h, *model.decoder.h)]
-    crosses = [block.cross for block in model.decoder.h]
-    inputs = recorded_inputs(selfs + crosses, lambda: model(src, tgt))
-    # Cross-attention takes (rows, the source's keys and values, its mask); self-attention takes
-    # (rows, a cache, an encoder's padding mask), and its weights need no cache.
-    return [m.attention_weights(*args) if m in crosses else m.attention_weights(args[0], *args[2:])
-            for m, args in zip(selfs + crosses, inputs, strict=True)]
+    selfs = [block.attn for block in (*model.encoder.blocks, *model.decoder_blocks)]
+    crosses = [block.cross for block in model.decoder_blocks]
+    inputs = recorded_inputs([*selfs, *crosses], lambda: model(src, tgt))
+    # Self-attention takes (rows, a cache, an encoder's padding mask), and its weights need no cache;
+    # cross-attention takes (rows, the source's keys and values, its mask).
+    of_selfs, of_crosses = inputs[: len(selfs)], inputs[len(selfs):]
+    return ([attn.attention_weights(args[0], *args[2:]) for attn, args in zip(selfs, of_selfs, strict=True)]
+            + [cross.attention_weights(*args) for cross, args in zip(crosses, of_crosses, strict=True)])
 
 
 def check_padding(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor,
@@ -44,8 +45,8 @@ def check_padding(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Tensor,
     padded = src == tasks.PAD  # (B, S): the positions padded here, whatever the model's mask says
     on_padding = torch.cat([  # every weight a padded source position gets, in every layer, (B, H, T, S) each
         block.cross.attention_weights(cross_in, kv, source.mask).transpose(1, 3)[padded].flatten()
-        for block, cross_in, kv in zip(model.decoder.h, cross_inputs(model, tgt, source), source.keys_values,
-                                       strict=True)])
+        for block, cross_in, kv in zip(model.decoder_blocks, cross_inputs(model, tgt, source),
+                                       source.keys_values, strict=True)])
     real = int((~padded[-1]).sum())  # the last source row is the padded one
     alone = model(src[-1:, :real], tgt[-1:])[0]
     return [

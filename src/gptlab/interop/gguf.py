@@ -6,8 +6,9 @@ the metadata, so llama.cpp computes what gptlab computes:
   has every bias: a model without them is written with zeros, which add nothing);
 - `llama`: rotary positions, pre-norm RMSNorm, SwiGLU, no biases, any n_kv_head, tied head or not;
   `qwen2` when only q, k and v have biases (`--qkv-bias`).
-Weights go through the Hugging Face maps of `gptlab.convert` (each completeness-checked) and then
-through `gguf`'s own Hugging Face -> GGUF name table, as llama.cpp's convert_hf_to_gguf.py names them.
+Weights go through the Hugging Face maps of `interop.gpt2` and `interop.llama` (each
+completeness-checked) and then through `gguf`'s own Hugging Face -> GGUF name table, as llama.cpp's
+convert_hf_to_gguf.py names them.
 Two facts of llama.cpp's files on top of that: GGUF stores GPT-2's projections as (out, in), as
 nn.Linear does, not as GPT-2's Conv1D (in, out); and llama.cpp's llama graph rotates adjacent feature
 pairs (2i, 2i + 1) where gptlab and Hugging Face rotate (i, i + hs/2), so the rows of each query and key
@@ -33,16 +34,11 @@ import torch
 
 from gptlab.checkpoint import ADAPTER, Checkpoint, architecture, load_checkpoint, require_architecture
 from gptlab.config import ModelConfig, flag
-from gptlab.convert import (
-    _expected_shapes,
-    byte_level_bpe,
-    byte_to_unicode,
-    from_gpt2_state,
-    hf_tokenizer_json,
-    to_gpt2_state,
-)
-from gptlab.convert_llama import from_llama_state, to_llama_state
 from gptlab.files import atomic_write
+from gptlab.interop.gpt2 import from_gpt2_state, to_gpt2_state
+from gptlab.interop.hf_tokenizer import byte_level_bpe, byte_to_unicode, hf_tokenizer_json
+from gptlab.interop.llama import from_llama_state, to_llama_state
+from gptlab.interop.shapes import expected_shapes
 from gptlab.model import GPT
 from gptlab.tokenizer import EOT, Tokenizer, tokenizer_from_dict
 
@@ -151,7 +147,7 @@ def _rope_heads(hf_name: str, config: ModelConfig) -> int | None:
 def to_gguf_tensors(model_state: Mapping[str, torch.Tensor], config: ModelConfig,
                     arch: str) -> dict[str, torch.Tensor]:
     """GGUF tensors (llama.cpp's names, float32) from gptlab's, by way of the Hugging Face names."""
-    shapes = _expected_shapes(config)
+    shapes = expected_shapes(config)
     if arch == "gpt2":
         hf = to_gpt2_state(model_state, config)
         hf = {name: t.t() if name.endswith(CONV1D) else t for name, t in hf.items()}  # back to (out, in)
@@ -173,7 +169,7 @@ def from_gguf_tensors(tensors: Mapping[str, torch.Tensor], config: ModelConfig,
                       arch: str) -> dict[str, torch.Tensor]:
     """gptlab tensors from GGUF ones (the inverse of to_gguf_tensors; every tensor used, every one filled)."""
     table = _name_table(arch, config)
-    shapes = _expected_shapes(config)
+    shapes = expected_shapes(config)
     empty = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}  # names only
     if arch == "gpt2":
         hf_names = [*to_gpt2_state(empty, config), "lm_head.weight"]

@@ -87,8 +87,8 @@ def _by_names(cls: type, size: dict[str, Any], namespace: dict[str, Any]) -> tup
     """Each parameter gets the size its name says, or a config built the same way; defaults stay."""
     kwargs: dict[str, Any] = {}
     for param in _parameters(cls):
-        if role(param.name):
-            kwargs[param.name] = size[role(param.name)]
+        if named := role(param.name):
+            kwargs[param.name] = size[named]
         elif param.name.lower() in CONFIG_NAMES or _config_class(param, namespace):
             kwargs[param.name] = config(_config_class(param, namespace), size, namespace)
         elif param.default is param.empty:

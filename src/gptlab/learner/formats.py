@@ -108,11 +108,11 @@ def gradescope_results(reports: Sequence[FileReport]) -> dict[str, Any]:
             tests.append(_test(f"{prefix}{check.section} {check.name}", check.passed,
                                "\n".join([*numbers(check), *cause])))
     score = sum(test["score"] for test in tests)
-    output = [f"gptlab check: {score:g} of {len(tests)} checks passed"]
+    summary = [f"gptlab check: {score:g} of {len(tests)} checks passed"]
     if skipped:
-        output += ["", "Skipped, as they do not apply to what the file defines (scored out of nothing):",
+        summary += ["", "Skipped, as they do not apply to what the file defines (scored out of nothing):",
                    *skipped]
-    return {"score": score, "output": "\n".join(output), "visibility": "visible", "tests": tests}
+    return {"score": score, "output": "\n".join(summary), "visibility": "visible", "tests": tests}
 
 
 def write_gradescope(reports: Sequence[FileReport], path: Path) -> None:

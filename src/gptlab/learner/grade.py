@@ -25,6 +25,7 @@ in the cause), so the other kinds are still graded.
 
 from __future__ import annotations
 
+import functools
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -114,7 +115,7 @@ def _grade(namespace: dict[str, Any], names: Names) -> list[Check]:
             results.append(skipped(section, kind, why))
         else:
             results += _guarded(section, cls.__name__, namespace,
-                                lambda c=cls, f=checks: f(c, c.__name__, namespace))
+                                functools.partial(checks, cls, cls.__name__, namespace))
     if crash is not None:
         results.append(crash)
     elif model is None:
@@ -234,6 +235,7 @@ def attention_checks(fn: Callable[..., Any], label: str) -> list[Check]:
     results += [_rank_check(att, shape, slip) for shape in ((2,), (2, 3))]
     if att.returns_weights and att.batched:
         returned = att.direct(q, k, v)[1]
+        assert returned is not None, "returns_weights: the call returned its weights when probed"
         applied = close("§3.2", "returned weights are the ones applied", returned,
                         weights_of(att.attend, q, k), 1e-5, "the weights a with y = a V")
         results.append(explain(applied, RETURNED))

@@ -22,6 +22,7 @@ import dataclasses
 import faulthandler
 import functools
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -42,7 +43,8 @@ from gptlab.learner.grade import LearnerError, Names, grade
 
 MiB = 2**20
 TAIL_BYTES = 8192  # the end of the child's own output kept, for the report of a child that died
-KILLED_HINT = {signal.SIGKILL, signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS}  # how memory exhaustion ends
+KILLED_HINT = {getattr(signal, name) for name in ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS")
+               if hasattr(signal, name)}  # how memory exhaustion ends (Windows has no SIGKILL, no SIGBUS)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,10 @@ def check_file(path: Path, names: Names, timeout_s: float = 60, memory_mb: int =
             timed_out = True
         finally:
             if child.poll() is None:  # not yet reaped, so its group id cannot have been reused
-                os.killpg(child.pid, signal.SIGKILL)  # the learner's own subprocesses go with it
+                if hasattr(os, "killpg"):
+                    os.killpg(child.pid, signal.SIGKILL)  # the learner's own subprocesses go with it
+                else:  # Windows: no process groups to signal
+                    child.kill()
                 child.wait()
         if timed_out:
             return FileReport(path, [], f"{path}: stopped at the time limit of {timeout_s:g} s: an endless "
@@ -208,7 +213,7 @@ def _own_lines(output: str, path: Path) -> str:
 
 def _keep_tail(stream: IO[bytes] | None) -> Callable[[], str]:
     """Drain `stream` on a thread, keeping only its last TAIL_BYTES; returns a call giving them as text."""
-    assert stream is not None, "the child's output must be a pipe"
+    assert isinstance(stream, io.BufferedReader), "the child's output must be a (buffered) pipe"
     kept = bytearray()
 
     def drain() -> None:
@@ -232,12 +237,11 @@ def _limit_address_space(extra_mb: int) -> Callable[[], None]:
 
     No-op where /proc/self/statm is missing (not Linux): there RLIMIT_AS is not enforced anyway.
     """
-    import resource
-
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[0])
     except OSError:
         return lambda: None
+    import resource  # POSIX only: imported where /proc says this is Linux
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = pages * os.sysconf("SC_PAGE_SIZE") + extra_mb * MiB
     if hard != resource.RLIM_INFINITY:

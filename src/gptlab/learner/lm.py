@@ -162,8 +162,7 @@ def loss_check(lm: LanguageModel, tokens: torch.Tensor) -> Check:
         }
         own = lm.loss(idx, idx)
     inside = scored["the model shifts the targets itself"]
-    shifted_inside = own is not None and abs(float(own) - float(inside)) <= 1e-4
-    if shifted_inside:
+    if own is not None and abs(float(own) - float(inside)) <= 1e-4:  # it shifted the targets inside
         return Check("§7.3", name, True, "cross-entropy of logits[i] against idx[i + 1]", f"{float(own):.6f}",
                      note="the model shifts the targets itself: pass targets = idx")
     check = close("§7.3", name, loss, scored["targets are the next tokens"], 1e-4,

@@ -92,7 +92,7 @@ def heads_reference(x: torch.Tensor, weights: dict[str, torch.Tensor | None], n_
     x (B, T, D) -> (B, T, D).
     """
     x = x.double()
-    q, k, v = (split_heads(F.linear(x, _d(weights[n]), _d(weights["b" + n])), n_head) for n in "qkv")
+    q, k, v = (split_heads(F.linear(x, _matrix(weights, n), _d(weights["b" + n])), n_head) for n in "qkv")
     T = x.size(1)
     keep = torch.ones(T, T, dtype=torch.bool).tril() if causal else None
     y = reference(q, k, v, keep, slip, mask_slip, model_width=x.size(-1))  # (B, H, T, hs)
@@ -101,12 +101,19 @@ def heads_reference(x: torch.Tensor, weights: dict[str, torch.Tensor | None], n_
         merged = y.mean(dim=1)  # (B, T, hs): the heads averaged
     else:
         merged = y.transpose(1, 2).reshape(x.shape)  # (B, T, D): the heads side by side
-    return merged if w_o is None else F.linear(merged, _d(w_o), _d(weights["bo"]))
+    return merged if w_o is None else F.linear(merged, _matrix(weights, "o"), _d(weights["bo"]))
 
 
 def _d(t: torch.Tensor | None) -> torch.Tensor | None:
     """A float64 copy of a parameter, detached from the learner's graph."""
     return None if t is None else t.detach().double()
+
+
+def _matrix(weights: dict[str, torch.Tensor | None], name: str) -> torch.Tensor:
+    """`_d` of a matrix the wiring always has (W_Q, W_K, W_V; W_O where the caller checked)."""
+    matrix = weights[name]
+    assert matrix is not None, f"the wiring has no W_{name.upper()}"
+    return matrix.detach().double()
 
 
 def diagnose_heads(measured: torch.Tensor, x: torch.Tensor, weights: dict[str, torch.Tensor | None],

@@ -10,6 +10,7 @@ Shape legend: B batch, T positions, D model width, H heads.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -181,7 +182,7 @@ def written_out(forward: Rows, wiring: Wiring | str, x: torch.Tensor) -> Check:
     weights, measured = wiring.read(), forward(x)
     found = diagnose_heads(measured, x, weights, wiring.n_head)
     correct = found is not None and found[1:] == ("none", "none")
-    causal = found[0] if correct else False
+    causal = found[0] if found is not None and correct else False
     check = close("§4.2", name, measured, heads_reference(x, weights, wiring.n_head, causal).float(), 1e-4,
                   "softmax(Q_h K_h^T / sqrt(d_h)) V_h per head, concatenated, then W_O",
                   f"{wiring.layout}, H={wiring.n_head}, {'causal' if causal else 'unmasked'}")
@@ -277,7 +278,7 @@ def block_checks(cls: type, label: str, namespace: dict[str, Any]) -> list[Check
         if isinstance(norm, nn.RMSNorm) or "rms" in norm_label.lower():
             results += _rms_checks(norm, norm_label, D)
         else:
-            results += [explain(c, NORM) for c in layer_norm(lambda t, n=norm, a=norm_label: run(a, n, t), D)]
+            results += [explain(c, NORM) for c in layer_norm(functools.partial(run, norm_label, norm), D)]
     with torch.no_grad():
         results.append(arrangement(forward, x))
     results.append(equivariance(forward, x, masked(block, forward, x, D), label))

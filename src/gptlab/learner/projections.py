@@ -86,8 +86,9 @@ def find_wiring(module: nn.Module, width: int, n_head: int) -> Wiring | str:
         if not mha._qkv_same_embed_dim:
             return "its nn.MultiheadAttention has separate key/value widths (kdim, vdim)"
         D = mha.embed_dim
-        pieces = {name: [(mha.in_proj_weight, mha.in_proj_bias, slice(i * D, (i + 1) * D))]
-                  for i, name in enumerate("qkv")}
+        pieces: dict[str, list[Piece]] = {
+            name: [(mha.in_proj_weight, mha.in_proj_bias, slice(i * D, (i + 1) * D))]
+            for i, name in enumerate("qkv")}
         return Wiring("torch.nn.MultiheadAttention", mha.num_heads, pieces,
                       (mha.out_proj.weight, mha.out_proj.bias), mha.batch_first)
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]

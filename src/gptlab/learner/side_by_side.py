@@ -92,13 +92,13 @@ def _corpus(data: str) -> tuple[CharTokenizer, torch.Tensor, torch.Tensor]:
     """The character tokenizer of `data` and its train and validation ids (the last VAL_FRACTION)."""
     text = load_text(data)
     tok = CharTokenizer.train(text)
-    ids = torch.from_numpy(tok.encode_array(text))
+    ids = tok.encode_array(text)
     train_ids, val_ids, _ = tail_split(ids, VAL_FRACTION)
     T = MODEL["block_size"]
     if len(val_ids) < EVAL_WINDOWS + T + 1 or len(train_ids) < BATCH + T + 1:
         raise ValueError(f"{data} holds {len(ids):,} characters, too few for windows of {T + 1}: "
                          f"give a text of at least {int((EVAL_WINDOWS + T + 1) / VAL_FRACTION):,} characters")
-    return tok, train_ids, val_ids
+    return tok, torch.from_numpy(train_ids), torch.from_numpy(val_ids)
 
 
 def _load(source: str, name: str) -> types.ModuleType:

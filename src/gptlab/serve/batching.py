@@ -246,6 +246,7 @@ class Scheduler:
             if row.ticket.cancelled.is_set():
                 self._remove(row)
             elif row.deadline is not None and now >= row.deadline:
+                assert row.chunks is not None, "_admit gives every row its chunks"
                 self._finish(row, next(row.chunks), "deadline")
                 self._remove(row)
             elif row.logits is not None and self._sample(row):

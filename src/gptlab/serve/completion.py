@@ -104,7 +104,7 @@ async def start_completion(body: CompletionRequest, served: Served) -> Completio
                for i, p in enumerate(prompts)]
     texts = [p if isinstance(p, str) else served.tokenizer.decode(ids)
              for p, ids in zip(prompts, encoded, strict=True)]
-    echoes = None
+    echoes: list[dict[str, list[Any]]] | None = None
     if body.echo:
         top = body.logprobs_count()
         echoes = [{"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}] * len(encoded)

@@ -72,10 +72,10 @@ def read_api_key(path: str | Path | None, environ: Mapping[str, str]) -> str | N
             lines = Path(path).read_text(encoding="utf-8").splitlines()
         except OSError as err:
             raise ValueError(f"--api-key-file {path}: cannot read it ({err.strerror})") from None
-        key = lines[0].strip() if lines else ""
-        if not key:
+        first = lines[0].strip() if lines else ""
+        if not first:
             raise ValueError(f"--api-key-file {path} is empty: write the key on its first line")
-        return key
+        return first
     key = environ.get(API_KEY_VARIABLE)
     if key is not None and not key.strip():
         raise ValueError(f"{API_KEY_VARIABLE} is set but empty: set it to the key, or unset it to serve "

@@ -125,7 +125,7 @@ class CompletionRequest(SamplingRequest):
         """Each prompt of the batch, as text or as token ids."""
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]  # type: ignore[list-item]  (one prompt: a string or a list of ids)
+            return [prompt]  # one prompt: a string or a list of ids
         return list(prompt)  # type: ignore[arg-type]
 
     @property

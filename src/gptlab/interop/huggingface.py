@@ -1,0 +1,254 @@
+"""Hugging Face folders: gptlab runs <-> GPT-2, Llama and Qwen2 folders that `transformers` loads.
+
+The folder-level work for every family: `export_hf` writes a run's best checkpoint (and an adapter run's
+PEFT adapter), `import_hf` reads a local folder into a run, `to_transformers` and `from_transformers`
+convert models in memory. Which family a run exports as follows from its config (`export_family`):
+GPT-2's recipe (`interop.gpt2`) or a Llama's (`interop.llama`: rotary positions, RMSNorm, SwiGLU, no
+biases; Qwen2 with q/k/v biases). Tokenizer files come from `interop.hf_tokenizer`; `interop.hf_folder`
+reads the weight files, sharded or not. Reading and writing folders needs only safetensors, torch and
+tokenizers; `transformers` (the `hf` extra) is imported only by `to_transformers`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from gptlab.checkpoint import (
+    ADAPTER,
+    BEST,
+    Checkpoint,
+    architecture,
+    load_checkpoint,
+    model_tensors,
+    require_architecture,
+    save_checkpoint,
+)
+from gptlab.config import ModelConfig
+from gptlab.files import atomic_write, atomic_write_text
+from gptlab.interop.gpt2 import (
+    from_gpt2_state,
+    gpt2_config,
+    gpt2_problems,
+    model_config_from_gpt2,
+    to_gpt2_state,
+)
+from gptlab.interop.hf_folder import chat_template, generation_defaults, read_tensors
+from gptlab.interop.hf_tokenizer import hf_tokenizer_json, read_hf_tokenizer, read_llama_tokenizer
+from gptlab.interop.llama import (
+    FAMILIES,
+    family_of,
+    from_llama_state,
+    llama_config,
+    llama_problems,
+    model_config_from_llama,
+    to_llama_state,
+)
+from gptlab.interop.shapes import HEAD, expected_shapes
+from gptlab.model import GPT
+from gptlab.tokenizer import EOT, ImportedTokenizer
+
+ADAPTER_DIR = "adapter"  # where export-hf puts an adapter run's PEFT adapter, inside the exported base
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """What export_hf or import_hf wrote, and anything the user should know about it."""
+
+    out_dir: Path
+    files: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def export_family(config: ModelConfig) -> str:
+    """`gpt2`, `llama` or `qwen2`: the Hugging Face family this config is; one ValueError lists, for GPT-2
+    and for the Llama family, every field that does not fit."""
+    gpt2, llama = gpt2_problems(config), llama_problems(config)
+    if not gpt2:
+        return "gpt2"
+    if not llama:
+        return family_of(config)
+    raise ValueError(f"this model is neither a GPT-2 ({'; '.join(gpt2)}) nor a Llama ({'; '.join(llama)})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders
+
+
+def _new_folder(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ValueError(f"{out_dir} exists and is not an empty folder: choose a new output folder")
+    return out_dir
+
+
+def export_hf(run: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Conversion:
+    """Write a run's best checkpoint as a folder that `transformers` loads: GPT2LMHeadModel, or
+    LlamaForCausalLM / Qwen2ForCausalLM for a Llama-shaped model (`export_family`).
+
+    With a bpe, gpt2 or hf tokenizer the folder also holds tokenizer files for `AutoTokenizer`. An adapter
+    run (`gptlab finetune --lora`) adds its PEFT adapter (`export_adapter_run`); `adapter_only` writes
+    that adapter alone. Everything is computed before the first file is written.
+    """
+    checkpoint = load_checkpoint(run)
+    require_architecture(architecture(checkpoint.model_config), run, "decoder")  # both are decoder-only
+    if ADAPTER in checkpoint.state:
+        return export_adapter_run(checkpoint, out_dir, adapter_only)
+    if adapter_only:
+        raise ValueError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): export it "
+                         "without --adapter-only")
+    return export_checkpoint(checkpoint, out_dir)
+
+
+def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only: bool = False) -> Conversion:
+    """An adapter run as its base model in OUT (export_checkpoint) and its adapters as a PEFT adapter in
+    OUT/adapter, a folder of its own: transformers would apply an adapter it found beside config.json.
+    With `adapter_only`, the adapter alone in OUT, for a base exported before."""
+    from gptlab.adapt.lora import LoraConfig, export_peft_adapter, is_lora_tensor, peft_adapter
+
+    model = checkpoint.build_gpt()  # the base run's model with the adapters on it (checkpoint.ADAPTER)
+    lora = LoraConfig.from_dict(checkpoint.state[ADAPTER]["config"])
+    peft_adapter(model, lora, None)  # refuses an adapter PEFT cannot hold before anything is written
+    out_dir = _new_folder(out_dir)
+    if adapter_only:
+        written = export_peft_adapter(model, lora, out_dir)
+        base = checkpoint.state[ADAPTER]["base"]
+        note = f"load it onto its base exported on its own: gptlab export-hf {base} HF_DIR"
+        return Conversion(out_dir, written.files, [note])
+    tensors = {name: t for name, t in model_tensors(model).items() if not is_lora_tensor(name)}
+    exported = export_checkpoint(replace(checkpoint, model_state=tensors), out_dir)
+    adapter = export_peft_adapter(model, lora, out_dir / ADAPTER_DIR, str(out_dir.resolve()))
+    return Conversion(out_dir, [*exported.files, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)],
+                      exported.notes)
+
+
+def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path) -> Conversion:
+    """Write one decoder checkpoint's weights, config and tokenizer as a Hugging Face folder (export_hf)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    config = checkpoint.model_config
+    family = export_family(config)
+    out_dir = _new_folder(out_dir)
+    tokenizer_json = hf_tokenizer_json(checkpoint.tokenizer)
+    hf_tokenizer = HFTokenizer.from_str(tokenizer_json) if tokenizer_json else None
+    if checkpoint.tokenizer["kind"] == ImportedTokenizer.kind:  # the imported model's own ids
+        eot_id, bos_id = checkpoint.tokenizer.get("eos_id"), checkpoint.tokenizer.get("bos_id")
+    else:
+        eot_id = hf_tokenizer.token_to_id(EOT) if hf_tokenizer else None
+        bos_id = eot_id if family == "gpt2" else None
+    if family == "gpt2":
+        tensors = to_gpt2_state(checkpoint.model_state, config)
+        hf_config = gpt2_config(config, eot_id)
+    else:
+        tensors = to_llama_state(checkpoint.model_state, config, expected_shapes(config))
+        hf_config = llama_config(config, bos_id, eot_id)
+    texts = {"config.json": json.dumps(hf_config, indent=2) + "\n"}
+    notes = []
+    if hf_tokenizer is None:
+        notes.append(f"the {checkpoint.tokenizer['kind']} tokenizer has no Hugging Face equivalent: "
+                     "only the weights are exported")
+    else:
+        token = {name: None if i is None else hf_tokenizer.id_to_token(i) for name, i in (("eos", eot_id),
+                                                                                       ("bos", bos_id))}
+        texts["tokenizer.json"] = tokenizer_json  # type: ignore[assignment]
+        texts["tokenizer_config.json"] = json.dumps(
+            _tokenizer_config(token["eos"], token["bos"], config.block_size), indent=2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "model.safetensors",
+                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    for name, text in texts.items():
+        atomic_write_text(out_dir / name, text)
+    return Conversion(out_dir, ["model.safetensors", *texts], notes)
+
+
+def _tokenizer_config(eot: str | None, bos: str | None, block_size: int) -> dict[str, Any]:
+    """tokenizer_config.json: the generic fast tokenizer over tokenizer.json, decoding text unchanged."""
+    special = {"bos_token": bos, "eos_token": eot, "unk_token": eot} if eot is not None else {}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size,
+            "clean_up_tokenization_spaces": False, **special}
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
+    """Read a local GPT-2, Llama or Qwen2 folder into a gptlab run folder (best.safetensors, config.json)."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{hf_dir} holds no config.json: give a folder written by save_pretrained")
+    hf_config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    family = hf_config.get("model_type", "gpt2") if isinstance(hf_config, dict) else None
+    if family == "gpt2":
+        config = model_config_from_gpt2(hf_config)
+        tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
+        generation = generation_defaults(hf_dir)
+        tensors, skipped = from_gpt2_state(read_tensors(hf_dir), config)
+    elif family in FAMILIES:
+        config = model_config_from_llama(hf_config)
+        tokenizer, note = read_llama_tokenizer(hf_dir, hf_config, config.vocab_size)
+        generation = generation_defaults(hf_dir)
+        tensors, skipped = from_llama_state(read_tensors(hf_dir), config, expected_shapes(config))
+    else:
+        raise ValueError(f"{hf_dir / 'config.json'} has model_type={family!r}: gptlab imports gpt2, "
+                         f"{', '.join(FAMILIES)}")
+    out_dir = _new_folder(out_dir)
+    # `generation` is what `gptlab sample` uses for the settings its user leaves out (generation_defaults)
+    state = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
+    template = chat_template(hf_dir)  # kept as Jinja source; gptlab.adapt.chat renders it
+    if template is not None:
+        state["chat_template"] = template
+    save_checkpoint(out_dir / BEST, Checkpoint(config, tokenizer, tensors, state=state))
+    resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir)}
+    atomic_write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+    notes = [note]
+    if generation:
+        shown = ", ".join(f"{key} {value}" for key, value in generation.items())
+        notes.append(f"generation_config.json: {shown}, used by `gptlab sample` unless given")
+    if skipped:
+        what = "causal-mask" if family == "gpt2" else "rotary-frequency"
+        notes.append(f"skipped {len(skipped)} {what} buffers (such as {skipped[0]}), which are not weights: "
+                     "gptlab builds them from the config")
+    return Conversion(out_dir, [BEST, "config.json"], notes)
+
+
+# ---------------------------------------------------------------------------------------------
+# In memory, for tests and benchmarks that run both libraries side by side
+
+
+def to_transformers(model: GPT) -> Any:
+    """A `transformers` model in eval mode with this model's weights (needs the hf extra): GPT2LMHeadModel,
+    LlamaForCausalLM or Qwen2ForCausalLM, as `export_family` decides."""
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("to_transformers needs transformers: pip install 'gptlab[hf]'") from None
+    config = model.config
+    family = export_family(config)
+    if family == "gpt2":
+        values = gpt2_config(config)
+        state = to_gpt2_state(model_tensors(model), config)
+    else:
+        values = llama_config(config, None, None)
+        state = to_llama_state(model_tensors(model), config, expected_shapes(config))
+    architecture = values.pop("architectures")[0]
+    hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    hf = getattr(transformers, architecture)(hf_config)
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {HEAD}, f"missing {missing}, unexpected {unexpected}"
+    return hf.to(next(model.parameters()).device).eval()
+
+
+def from_transformers(hf_model: Any) -> GPT:
+    """A gptlab GPT in eval mode with the weights of a `transformers` GPT-2, Llama or Qwen2 model."""
+    values = hf_model.config.to_dict()
+    if values.get("model_type") in FAMILIES:
+        config = model_config_from_llama(values)
+        tensors, _ = from_llama_state(hf_model.state_dict().items(), config, expected_shapes(config))
+    else:
+        config = model_config_from_gpt2(values)
+        tensors, _ = from_gpt2_state(hf_model.state_dict().items(), config)
+    model = GPT(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {HEAD}, f"missing {missing}, unexpected {unexpected}"
+    return model.eval()
