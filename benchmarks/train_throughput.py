@@ -9,6 +9,7 @@ run, at the same precision. transformers' column appears when it is installed (`
     python benchmarks/train_throughput.py            # the full table (several minutes with compile)
     python benchmarks/train_throughput.py --quick    # float32 and bf16, no compile
     python benchmarks/train_throughput.py --nanogpt ~/nanoGPT --only-nanogpt   # the step-rate race
+    python benchmarks/train_throughput.py --nanogpt ~/nanoGPT --only-nanogpt --quick   # ... uncompiled
 
 With --nanogpt PATH (a nanoGPT checkout; MIT licensed, not part of gptlab) it also races a full
 float32 step of nanoGPT's own model and optimiser against gptlab's `nanogpt-cpu` preset at nanoGPT's
@@ -151,16 +152,25 @@ def nanogpt_step(checkout: Path) -> tuple[torch.nn.Module, Callable[[], None]]:
     return model, step
 
 
-def race(checkout: Path, rounds: int, steps: int) -> None:
-    """nanoGPT's step against gptlab's nanogpt-cpu preset, timed alternately in `rounds` rounds."""
+def race(checkout: Path, rounds: int, steps: int, compiled: bool = False) -> None:
+    """nanoGPT's step against gptlab's nanogpt-cpu preset, timed alternately in `rounds` rounds; with
+    `compiled` also gptlab's step with its model under torch.compile (as `gptlab train --compile`)."""
     from gptlab.presets import resolve_configs
 
     model_config, train_config = resolve_configs("nanogpt-cpu", None, {"vocab_size": VOCAB})
-    _, ours = gptlab_step(SIZES[0], torch.float32, False, model_config, train_config)
-    _, theirs = nanogpt_step(checkout)
-    times: dict[str, list[float]] = {"gptlab nanogpt-cpu": [], "nanoGPT": []}
+    contestants = {"gptlab nanogpt-cpu": gptlab_step(SIZES[0], torch.float32, False, model_config,
+                                                     train_config)[1]}
+    if compiled:
+        started = time.perf_counter()
+        step = gptlab_step(SIZES[0], torch.float32, True, model_config, train_config)[1]
+        for _ in range(3):
+            step()
+        print(f"torch.compile and 3 steps: {time.perf_counter() - started:.1f} s")
+        contestants["gptlab nanogpt-cpu --compile"] = step
+    contestants["nanoGPT"] = nanogpt_step(checkout)[1]
+    times: dict[str, list[float]] = {name: [] for name in contestants}
     for _ in range(rounds):
-        for name, step in (("gptlab nanogpt-cpu", ours), ("nanoGPT", theirs)):
+        for name, step in contestants.items():
             times[name].append(time_steps(step, warmup=2, steps=steps))
     best = {name: min(values) for name, values in times.items()}
     tokens = SIZES[0].batch_size * SIZES[0].block_size
@@ -170,7 +180,9 @@ def race(checkout: Path, rounds: int, steps: int) -> None:
     print("|---|---|---|---|")
     for name, seconds in best.items():
         print(f"| {name} | {seconds * 1e3:.1f} | {1 / seconds:.1f} | {tokens / seconds:,.0f} |")
-    print(f"\ngptlab's step rate is {best['nanoGPT'] / best['gptlab nanogpt-cpu']:.2f}x nanoGPT's")
+    for name in contestants:
+        if name != "nanoGPT":
+            print(f"\n{name}: step rate {best['nanoGPT'] / best[name]:.2f}x nanoGPT's")
 
 
 def main() -> None:
@@ -183,7 +195,7 @@ def main() -> None:
     parser.add_argument("--only-nanogpt", action="store_true", help="run only the race with nanoGPT")
     args = parser.parse_args()
     if args.nanogpt:
-        race(args.nanogpt.resolve(), rounds=5, steps=args.steps)
+        race(args.nanogpt.resolve(), rounds=5, steps=args.steps, compiled=not args.quick)
     if args.only_nanogpt:
         return
     torch.manual_seed(0)
