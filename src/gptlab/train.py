@@ -589,7 +589,7 @@ def start_run(run_dir: Path, data: TrainingData, model_config: ModelConfig, trai
 def decide_for_machine(model_config: ModelConfig, train_config: TrainConfig, dist: distributed.Dist,
                        device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
     """A new run's precision made concrete (an "auto" is probed once, on rank 0, and every rank takes its
-    answer), the decisions line logged, and config.json's "machine" entry (gptlab.machine)."""
+    answer) and Muon's, the decisions line logged, and config.json's "machine" entry (gptlab.machine)."""
     auto = train_config.precision == "auto"
     rows = max(1, train_config.batch_size // dist.world_size)  # one rank's micro-batch
     precision = machine.Decision("precision", "", "rank 0 decides")  # logged and saved by rank 0 only
@@ -600,6 +600,12 @@ def decide_for_machine(model_config: ModelConfig, train_config: TrainConfig, dis
         shared = distributed.all_reduce_sum([bfloat16], device)[0] > 0  # rank 0's answer, on every rank
         train_config = train_config.replace(precision="bfloat16" if shared else "float32")
     decisions = [precision, machine.decide_threads()]
+    if train_config.optimizer == "muon":  # rank 0's answer on every rank, so the replicas stay equal
+        muon = machine.decide_muon_precision(train_config.muon_precision, device)
+        float32 = float(dist.is_main and muon.value == "float32")
+        shared = distributed.all_reduce_sum([float32], device)[0] > 0
+        train_config = train_config.replace(muon_precision="float32" if shared else "bfloat16")
+        decisions.insert(1, muon)
     log.info(machine.describe(decisions, auto))  # rank 0's line: the others log warnings only
     return train_config, machine.record(decisions)
 

@@ -161,38 +161,54 @@ def check_folder(out: Path) -> None:
 
 def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
                     earlier: dict[str, Any] | None) -> tuple[Grid, dict[str, Any] | None]:
-    """The grid with precision "auto" made concrete once for every cell, so that no two cells differ by a
-    probe's noise, and compare.json's "machine" entry; None when no cell asks for "auto".
+    """The grid with precision "auto" (and Muon's) made concrete once for every cell, so that no two cells
+    differ by a probe's noise, and compare.json's "machine" entry; None when no cell asks for "auto".
 
     One probe (gptlab.machine), of the first such cell's model at its micro-batch with the threads each run
     gets, decides for the whole grid: give --precision (or vary it) to choose otherwise. A later call in the
-    same OUT reuses the decision compare.json holds (`earlier`), so its runs all keep one precision and the
+    same OUT reuses the decisions compare.json holds (`earlier`), so its runs all keep one precision and the
     ones it resumes are not refused as changed."""
     from gptlab.data import TokenData
-    from gptlab.machine import Decision, decide_precision, describe, record
+    from gptlab.machine import Decision, decide_muon_precision, decide_precision, describe, record
 
     auto = [cell for cell in grid.cells if cell.train_config.precision == "auto"]
-    if not auto:
+    muon = [cell for cell in grid.cells
+            if cell.train_config.optimizer == "muon" and cell.train_config.muon_precision == "auto"]
+    if not auto and not muon:
         return grid, None
-    first = auto[0]
-    probe: dict[str, Any] = {"cell": first.name, "rows": first.train_config.batch_size, "threads": threads}
     earlier = earlier or {}  # None: nothing was decided before
-    kept = "precision" in earlier
-    if kept:
-        saved, probe = earlier["precision"], earlier.get("probe", probe)
-        decision = Decision("precision", saved["value"], saved["why"], saved.get("ms_per_step", {}))
-    else:
-        model = first.model_config.replace(vocab_size=TokenData(data[first.name]).tokenizer.vocab_size)
-        device = resolve_device(first.train_config.device)
-        decision = decide_precision("auto", device, model, probe["rows"], threads)
+    first = (auto or muon)[0]
+    probe: dict[str, Any] = {"cell": first.name, "rows": first.train_config.batch_size, "threads": threads}
+    device = resolve_device(first.train_config.device)
+    decisions, kept = [], []
+
+    def saved(name: str) -> Decision | None:
+        if name not in earlier:
+            return None
+        kept.append(name)
+        entry = earlier[name]
+        return Decision(name, entry["value"], entry["why"], entry.get("ms_per_step", {}))
+
+    if auto:
+        decision = saved("precision")
+        if decision is None:
+            model = first.model_config.replace(vocab_size=TokenData(data[first.name]).tokenizer.vocab_size)
+            decision = decide_precision("auto", device, model, probe["rows"], threads)
+        else:
+            probe = earlier.get("probe", probe)
+        decisions.append(decision)
+    if muon:
+        decisions.append(saved("muon_precision") or decide_muon_precision("auto", device))
     per_run = Decision("threads", str(threads), "each run's share of the cores")
     kept_note = f" (as decided before, in {GRID_FILE})" if kept else ""
-    log.info(describe([decision, per_run], auto=True) + kept_note)
-    cells = [dataclasses.replace(c, train_config=c.train_config.replace(precision=decision.value))
-             if c in auto else c for c in grid.cells]
+    log.info(describe([*decisions, per_run], auto=bool(auto)) + kept_note)
+    chosen = {d.name: d.value for d in decisions}
+    asking = (("precision", auto), ("muon_precision", muon))
+    cells = [dataclasses.replace(c, train_config=c.train_config.replace(
+        **{name: chosen[name] for name, those in asking if c in those})) for c in grid.cells]
     seeds = tuple(dict.fromkeys(r.seed for r in grid.runs))  # in the grid's order
     concrete = Grid(cells, grid_runs(cells, seeds, out), cells[grid.cells.index(grid.baseline)])
-    return concrete, {**record([decision, per_run]), "probe": probe}
+    return concrete, {**record([*decisions, per_run]), "probe": probe}
 
 
 def write_grid(out: Path, grid: Grid, command: str, machine: dict[str, Any] | None = None) -> None:

@@ -122,8 +122,9 @@ def plan_job(run: Run, data: Path, threads: int, logs: Path) -> Job | None:
         return job
     header = load_header(run.folder, prefer=LAST)
     saved = header.train_config or TrainConfig()
-    if saved.precision == "auto":  # a run started before "auto" was decided at start-up resumes as it began
-        train = train.replace(precision="auto")
+    for name in ("precision", "muon_precision"):  # a run from before the choice was made at start-up
+        if getattr(saved, name) == "auto":  # resumes as it began
+            train = train.replace(**{name: "auto"})
     differs = config_differences(header.model_config, model)
     differs += [d for d in config_differences(saved, train) if d.split()[0] not in RESUMABLE]
     if differs:
