@@ -93,7 +93,8 @@ def test_a_two_process_checkpoint_resumes_in_one_process(data_dir: Path, tmp_pat
     assert load_checkpoint(tmp_path / "split", prefer=LAST).state["step"] == 10
     result = resume(tmp_path / "split", progress=False)
     assert result.step == 20
-    assert_same_run(tmp_path / "one", tmp_path / "split")
+    # Two processes sum the gradients in another order; on an AVX2 CPU 20 steps drift past 1e-5.
+    assert_same_run(tmp_path / "one", tmp_path / "split", tolerance=1e-4)
 
 
 def test_an_fsdp_run_saves_shards_that_resume_on_one_and_on_four_processes(data_dir: Path,

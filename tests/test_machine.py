@@ -20,7 +20,8 @@ from gptlab.data import prepare
 from gptlab.experiments import compare as compare_module
 from gptlab.experiments.compare import compare
 from gptlab.experiments.grid import RunOptions
-from gptlab.machine import Decision, decide_precision, decide_threads
+from gptlab.machine import Decision, decide_muon_precision, decide_precision, decide_threads
+from gptlab.optim import orthogonalise
 from gptlab.presets import resolve_configs
 from gptlab.train import resume, train
 
@@ -173,3 +174,82 @@ def test_a_real_probe_of_the_tiny_preset_decides_within_a_second(native_bf16: No
     assert set(decision.ms) == {"float32", "bfloat16"} and all(ms > 0 for ms in decision.ms.values())
     assert decision.value == min(decision.ms, key=decision.ms.__getitem__)
     assert torch.equal(torch.get_rng_state(), before)  # the run's random stream is not disturbed
+
+
+def test_muon_orthogonalises_in_float32_where_the_cpu_lacks_native_bfloat16(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "cpu_has_bf16_matmul", lambda: False)
+    assert decide_muon_precision("auto", CPU) == Decision(
+        "muon_precision", "float32", "this CPU has no native bfloat16 matmul")
+    assert decide_muon_precision("bfloat16", CPU) == Decision("muon_precision", "bfloat16", "given")
+    assert decide_muon_precision("auto", torch.device("cuda")).value == "bfloat16"
+    monkeypatch.setattr(machine, "cpu_has_bf16_matmul", lambda: True)
+    assert decide_muon_precision("auto", CPU) == Decision("muon_precision", "bfloat16", "native on this cpu")
+    assert decide_muon_precision("float32", CPU) == Decision("muon_precision", "float32", "given")
+
+
+def newton_schulz_float64(update: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Muon's quintic iteration on one matrix in float64, written out (the reference for the batched one)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = update.double()
+    x = x.T if x.shape[0] > x.shape[1] else x
+    x = x / max(float(x.norm()), 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if update.shape[0] > update.shape[1] else x
+
+
+def test_the_float32_iterations_match_a_float64_reference_where_bfloat16_rounds() -> None:
+    updates = torch.randn(3, 48, 16, generator=torch.Generator().manual_seed(0))
+    reference = torch.stack([newton_schulz_float64(u) for u in updates])
+    coefficients = (3.4445, -4.7750, 2.0315)
+    single = orthogonalise(updates, coefficients, 5, 1e-7, torch.float32)
+    half = orthogonalise(updates, coefficients, 5, 1e-7)  # torch.optim.Muon's bfloat16
+    assert single.dtype == torch.float32 and half.dtype == torch.bfloat16
+    assert torch.allclose(single.double(), reference, atol=1e-5)
+    assert (half.double() - reference).abs().max() > 1e-3  # what float32 buys: bfloat16 keeps 8 bits
+
+
+def test_a_muon_run_saves_its_newton_schulz_precision_and_resumes_bit_exact(
+        data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        one_thread: None) -> None:
+    monkeypatch.setattr(machine, "cpu_has_bf16_matmul", lambda: False)
+    model = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
+    muon = TrainConfig(batch_size=4, max_steps=6, warmup_steps=1, eval_interval=3, eval_batches=1,
+                       device="cpu", precision="float32", optimizer="muon")
+    with caplog.at_level(logging.INFO, logger="gptlab"):
+        train(tmp_path / "whole", data_dir, model, muon, progress=False)
+    assert "muon precision float32 (this CPU has no native bfloat16 matmul)" in caplog.text
+    config = json.loads((tmp_path / "whole" / "config.json").read_text())
+    assert config["train"]["muon_precision"] == "float32"
+    assert config["machine"]["muon_precision"]["value"] == "float32"
+
+    train(tmp_path / "split", data_dir, model, muon, stop_at=3, progress=False)
+    monkeypatch.setattr(machine, "cpu_has_bf16_matmul", lambda: True)  # another machine: the saved one holds
+    resume(tmp_path / "split", progress=False)
+    assert_identical_runs(tmp_path / "whole", tmp_path / "split")
+
+    train(tmp_path / "bf16", data_dir, model, muon.replace(muon_precision="bfloat16"), progress=False)
+    whole = load_checkpoint(tmp_path / "whole", prefer=LAST).model_state
+    other = load_checkpoint(tmp_path / "bf16", prefer=LAST).model_state
+    assert any(not torch.equal(whole[name], other[name]) for name in whole)  # the setting takes effect
+
+
+def test_compare_fixes_muons_precision_once_for_the_grid(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    jobs: list = []
+    monkeypatch.setattr(machine, "cpu_has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(compare_module, "run_jobs", lambda todo, n, report: jobs.extend(todo))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a cat sat on the mat.\n" * 200, encoding="utf-8")
+    options = RunOptions(data=str(corpus), model=dict(n_layer=1, n_head=2, n_embd=16, block_size=16),
+                         train=dict(batch_size=4, max_steps=30, precision="float32", device="cpu",
+                                    optimizer="muon"))
+    out = tmp_path / "cmp"
+    compare(options, [("positions", ("learned", "rope"))], (1,), out, jobs=1, progress=False)
+    monkeypatch.setattr(machine, "cpu_has_bf16_matmul", lambda: True)  # the grid keeps what it decided
+    compare(options, [("positions", ("learned", "rope"))], (1,), out, jobs=1, progress=False)
+    assert len(jobs) == 4 and {job.train["muon_precision"] for job in jobs} == {"float32"}
+    record = json.loads((out / "compare.json").read_text())
+    assert record["machine"]["muon_precision"]["value"] == "float32" and "precision" not in record["machine"]

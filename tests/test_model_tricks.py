@@ -202,8 +202,11 @@ def test_checkpoint_round_trip(option: str, random_gpt: RandomGPT, tmp_path: Pat
     save_run(tmp_path, model)
     loaded, _ = load_run(tmp_path)
     assert loaded.config == model.config
+    for name, tensor in model.state_dict().items():  # the weights come back bit for bit
+        assert torch.equal(loaded.state_dict()[name], tensor), name
     idx = torch.randint(0, 13, (2, 8))
-    assert_close(loaded(idx)[0], model(idx)[0], atol=0, rtol=0)
+    # The logits within float32 rounding: an AVX2 CPU (AMD EPYC) may sum in another order.
+    assert_close(loaded(idx)[0], model(idx)[0], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("option", REFUSED)

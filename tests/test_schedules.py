@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from conftest import SAT_LINES, assert_identical_runs
 from gptlab.checkpoint import LAST, load_checkpoint
-from gptlab.config import TrainConfig
+from gptlab.config import ModelConfig, TrainConfig
 from gptlab.curriculum import batch_size_at, block_size_at
 from gptlab.model import GPT
 from gptlab.optim import hidden_matrices, learning_rate, make_optimizer
@@ -56,12 +56,17 @@ def test_trapezoid_follows_decay_steps_and_the_cooldown_fraction() -> None:
 
 def test_new_options_are_validated_and_old_configs_load_with_todays_behaviour() -> None:
     for bad in (dict(cooldown=1.5), dict(cooldown=-0.1), dict(schedule="linear"), dict(batch_warmup=-1),
-                dict(seq_warmup=-1), dict(muon_ns_steps=0)):
+                dict(seq_warmup=-1), dict(muon_ns_steps=0), dict(muon_precision="half")):
         with pytest.raises(ValueError, match=f"TrainConfig.{next(iter(bad))}="):
             TrainConfig(**bad)
     old = TrainConfig.from_dict(dict(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110))  # no new keys
     assert (old.schedule, old.batch_warmup, old.seq_warmup) == ("cosine", 0, 0)
     assert (old.muon_nesterov, old.muon_ns_steps) == (True, 5)  # torch.optim.Muon's defaults
+    # A run saved before Muon's precision was decided at start-up resumes in torch's bfloat16, as it ran.
+    assert old.muon_precision == "auto"
+    model = GPT(ModelConfig(vocab_size=20, n_layer=1, n_head=2, n_embd=16, block_size=8))
+    muon_groups = make_optimizer(model, old.replace(optimizer="muon")).optimizers[1].param_groups
+    assert {group["ns_dtype"] for group in muon_groups} == {torch.bfloat16}
 
 
 def test_batch_warmup_grows_from_a_quarter_in_multiples_of_the_processes() -> None:
