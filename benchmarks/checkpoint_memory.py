@@ -32,11 +32,11 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from gptlab import distributed
     from gptlab.checkpoint import LAST, Checkpoint, save_to_run
     from gptlab.config import ModelConfig, TrainConfig
     from gptlab.model import GPT
-    from gptlab.optim import make_optimizer
+    from gptlab.training import distributed
+    from gptlab.training.optim import make_optimizer
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -34,11 +34,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gptlab.adapt.lora import is_lora_tensor
 from gptlab.checkpoint import BEST, load_checkpoint, load_run
 from gptlab.common import cpu_name
 from gptlab.config import SamplingConfig
 from gptlab.generate import generate
+from gptlab.lora import is_lora_tensor
 
 ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen " \
        "sixteen seventeen eighteen nineteen".split()

@@ -1,4 +1,4 @@
-"""Fine-tuning step time and memory: full fine-tuning against LoRA (gptlab.adapt.lora), on this machine.
+"""Fine-tuning step time and memory: full fine-tuning against LoRA (gptlab.lora), on this machine.
 
 For each shape it times training steps (forward, backward, fused AdamW step) on random tokens, in
 float32, for every weight trained and for LoRA adapters of rank 8 on the attention and FFN projections
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from gptlab.adapt.lora import LoraConfig, add_lora, trainable_parameters
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig, TrainConfig
+from gptlab.lora import LoraConfig, add_lora, trainable_parameters
 from gptlab.model import GPT
-from gptlab.optim import adamw
+from gptlab.training.optim import adamw
 
 
 @dataclass(frozen=True)

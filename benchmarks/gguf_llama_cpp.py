@@ -30,10 +30,10 @@ import torch
 from gptlab.checkpoint import load_run
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig, TrainConfig
-from gptlab.data import prepare
+from gptlab.data.prepare import prepare
 from gptlab.interop.gguf import GGUF_TYPES, export_gguf, load_gguf, read_gguf
 from gptlab.model import GPT
-from gptlab.train import train
+from gptlab.training.loop import train
 
 SHAPES = {
     "gpt2": {},

@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 
 from gptlab.common import cpu_name
-from gptlab.data import prepare
+from gptlab.data.prepare import prepare
 
 FINISHED = re.compile(r"finished at step \d+: ([\d,]+) tokens/s")
 

@@ -37,8 +37,8 @@ from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig
 from gptlab.model import GPT
-from gptlab.presets import PRESETS
-from gptlab.tokenizer import CharTokenizer
+from gptlab.text.tokenizer import CharTokenizer
+from gptlab.training.presets import PRESETS
 
 TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun."
 

@@ -36,7 +36,7 @@ from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig
 from gptlab.model import GPT
-from gptlab.tokenizer import CharTokenizer
+from gptlab.text.tokenizer import CharTokenizer
 
 HERE = Path(__file__).resolve().parents[1] / "src"
 VOCAB = 49152

@@ -49,8 +49,10 @@ import torch
 from gptlab.checkpoint import LAST, load_checkpoint, load_run
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig
-from gptlab.data import TokenData, load_text, prepare
-from gptlab.evaluate import evaluate_tokens
+from gptlab.data.corpora import load_text
+from gptlab.data.prepare import prepare
+from gptlab.data.tokens import TokenData
+from gptlab.evaluation.heldout import evaluate_tokens
 from gptlab.model import GPT
 
 # nanoGPT's README, "I only have a macbook" (CPU): its command line, unchanged.

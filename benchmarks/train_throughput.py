@@ -34,7 +34,7 @@ import torch
 from gptlab.common import autocast
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
-from gptlab.optim import make_optimizer
+from gptlab.training.optim import make_optimizer
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def nanogpt_step(checkout: Path) -> tuple[torch.nn.Module, Callable[[], None]]:
 def race(checkout: Path, rounds: int, steps: int, compiled: bool = False) -> None:
     """nanoGPT's step against gptlab's nanogpt-cpu preset, timed alternately in `rounds` rounds; with
     `compiled` also gptlab's step with its model under torch.compile (as `gptlab train --compile`)."""
-    from gptlab.presets import resolve_configs
+    from gptlab.training.presets import resolve_configs
 
     model_config, train_config = resolve_configs("nanogpt-cpu", None, {"vocab_size": VOCAB})
     contestants = {"gptlab nanogpt-cpu": gptlab_step(SIZES[0], torch.float32, False, model_config,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,11 +13,16 @@ from typing import Any
 import pytest
 import torch
 
-from browser import Chromium
-from gptlab.checkpoint import BEST, LAST, Checkpoint, load_checkpoint, model_tensors, save_checkpoint
-from gptlab.config import ModelConfig, TrainConfig
-from gptlab.model import GPT
-from gptlab.tokenizer import CharTokenizer
+# The tests mirror the package in folders; a test file imports another's helpers by its basename (each
+# basename is unique), as it did when they shared one folder.
+sys.path[:0] = [str(folder) for folder in sorted(Path(__file__).parent.iterdir())
+                if folder.is_dir() and folder.name.isidentifier() and not folder.name.startswith("_")]
+
+from browser import Chromium  # noqa: E402
+from gptlab.checkpoint import BEST, LAST, Checkpoint, load_checkpoint, model_tensors, save_checkpoint  # noqa: E402
+from gptlab.config import ModelConfig, TrainConfig  # noqa: E402
+from gptlab.model import GPT  # noqa: E402
+from gptlab.text.tokenizer import CharTokenizer  # noqa: E402
 
 # The text the inspection runs are trained on: the prompts of test_attention_view, test_interventions
 # and test_verify ("the cat sat on", "the dog sat o") use only its characters.
@@ -28,7 +34,7 @@ INSPECT_TEXT = "\n".join(SAT_LINES) * 40
 @pytest.fixture(scope="session")
 def char_corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Prepare a text with the char tokenizer into a new folder: `char_corpus(text)` is that folder."""
-    from gptlab.data import prepare
+    from gptlab.data.prepare import prepare
 
     def make(text: str) -> Path:
         root = tmp_path_factory.mktemp("corpus")
@@ -93,8 +99,8 @@ def save_model() -> Callable[[Path, GPT, Any], Path]:
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer, 2-head char model trained for 30 steps by gptlab's own training loop, once a session."""
-    from gptlab.data import prepare
-    from gptlab.train import train
+    from gptlab.data.prepare import prepare
+    from gptlab.training.loop import train
 
     root = tmp_path_factory.mktemp("trained")
     (root / "text.txt").write_text(INSPECT_TEXT, encoding="utf-8")
@@ -116,7 +122,7 @@ def hf_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random GPT-2 saved by transformers, with a bpe tokenizer, imported by `gptlab import-hf`."""
     transformers = pytest.importorskip("transformers")
     from gptlab.interop.huggingface import import_hf
-    from gptlab.tokenizer import train_tokenizer
+    from gptlab.text.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("hf")
     bpe = train_tokenizer("bpe", INSPECT_TEXT, 300)

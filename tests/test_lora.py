@@ -1,4 +1,4 @@
-"""LoRA layers, merge and PEFT export (gptlab.adapt.lora), checked against the plain forward pass, the
+"""LoRA layers, merge and PEFT export (gptlab.lora), checked against the plain forward pass, the
 merged weights, and transformers + peft loading the exported base and adapter (nothing is downloaded)."""
 
 from __future__ import annotations
@@ -14,23 +14,23 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from gptlab.adapt.lora import (
+from gptlab.config import ModelConfig, TrainConfig
+from gptlab.interop.huggingface import export_hf
+from gptlab.interop.peft import export_peft_adapter
+from gptlab.lora import (
     LoraConfig,
     LoraLinear,
     adapters_disabled,
     add_lora,
-    export_peft_adapter,
     load_lora_state,
     lora_layers,
     lora_state,
     merge_lora,
     trainable_parameters,
 )
-from gptlab.config import ModelConfig, TrainConfig
-from gptlab.interop.huggingface import export_hf
 from gptlab.model import GPT
-from gptlab.optim import adamw
-from gptlab.tokenizer import CharTokenizer
+from gptlab.text.tokenizer import CharTokenizer
+from gptlab.training.optim import adamw
 
 # A GPT-2-shaped model and a Llama-shaped one (grouped heads, SwiGLU with its gate, untied head).
 GPT2_SHAPE: dict[str, Any] = dict(vocab_size=29, block_size=16, n_layer=2, n_head=2, n_embd=16)

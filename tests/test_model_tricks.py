@@ -25,7 +25,7 @@ from gptlab.inspection.lens import logit_lens
 from gptlab.interop import huggingface
 from gptlab.interop.gguf import export_gguf
 from gptlab.model import GPT
-from gptlab.tokenizer import CharTokenizer
+from gptlab.text.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models only lose time to a 2nd thread
 
@@ -250,7 +250,7 @@ def test_the_options_are_command_line_flags(capsys: pytest.CaptureFixture) -> No
 def test_verify_passes_with_the_option_on(option: str, random_gpt: RandomGPT) -> None:
     """`gptlab verify`'s checks rebuild attention by hand: they must follow each option, e.g. the fused =
     separate projections check normalises queries and keys under qk_norm as the model does."""
-    from gptlab.checks import failed
-    from gptlab.inspection.verify import verify_model
+    from gptlab.handout.properties import failed
+    from gptlab.handout.verify import verify_model
 
     assert [c.name for c in failed(verify_model(random_gpt(**OPTIONS[option])))] == []

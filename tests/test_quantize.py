@@ -14,14 +14,14 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from gptlab import tasks
 from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.config import POSITIONS, ModelConfig, SamplingConfig, Seq2SeqConfig
-from gptlab.encoder_decoder import EncoderDecoder, decode_answers
 from gptlab.generate import Decoder, generate
 from gptlab.model import GPT
 from gptlab.quantize import Int8Linear, inference_weights, quantize, quantize_int8, quantize_rows
+from gptlab.seq2seq import tasks
+from gptlab.seq2seq.model import EncoderDecoder, decode_answers
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: tiny models only lose time to a 2nd thread
 

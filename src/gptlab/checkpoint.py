@@ -27,11 +27,11 @@ from safetensors.torch import save_file
 
 from gptlab import sharded
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
-from gptlab.encoder_decoder import EncoderDecoder
 from gptlab.files import RunLock, atomic_write
 from gptlab.layouts import decoding_layout
 from gptlab.model import GPT
-from gptlab.tokenizer import DamagedTokenizerError, SymbolTokenizer, Tokenizer, tokenizer_from_dict
+from gptlab.seq2seq.model import EncoderDecoder
+from gptlab.text.tokenizer import DamagedTokenizerError, SymbolTokenizer, Tokenizer, tokenizer_from_dict
 
 FORMAT = "gptlab-checkpoint-1"
 # The state key of an adapter run (`gptlab finetune --lora`): {"base": its base run's checkpoint file,
@@ -115,7 +115,7 @@ def adapted_model(checkpoint: Checkpoint) -> GPT:
     """The base run's model (`checkpoint.state[ADAPTER]["base"]`) with the checkpoint's LoRA adapters."""
     # gptlab.adapt builds on this module (lora -> interop.huggingface -> checkpoint): imported when used,
     # not above.
-    from gptlab.adapt.lora import LoraConfig, add_lora, load_lora_state
+    from gptlab.lora import LoraConfig, add_lora, load_lora_state
 
     saved = checkpoint.state[ADAPTER]
     base_file = Path(saved["base"])
@@ -252,7 +252,7 @@ def load_checkpoint(path: str | Path, prefer: str = BEST, lazy: bool = False,
     """Read a checkpoint (or a run folder's `prefer` checkpoint) onto the CPU, whole.
 
     With `lazy`, a sharded checkpoint's tensors are shapes only (meta tensors): a sharded run then
-    loads just its own shards (gptlab.distributed.load_shards). Without `optimizer` the optimiser slots,
+    loads just its own shards (gptlab.training.distributed.load_shards). Without `optimizer` the optimiser slots,
     twice the weights' size under AdamW, are not read (`optimizer_state` is None): enough to use a model.
     """
     return _read(path, prefer, "shapes" if lazy else "all" if optimizer else "weights")

@@ -1,14 +1,14 @@
 """Shared plumbing for every entry point: device and precision choice, seeding, whether progress bars
-are shown. (The decoding weight layouts moved to `gptlab.layouts`.)"""
+are shown."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import random
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import torch
@@ -16,8 +16,6 @@ import torch
 # Measured on a 2-core AVX512-BF16/AMX CPU (benchmarks/train_throughput.py): bfloat16 autocast
 # made a 128-wide model slower and a 384-wide one about 2x faster, so "auto" switches at this width.
 CPU_BF16_MIN_WIDTH = 256
-# Names that moved to gptlab.layouts; still found here, with a DeprecationWarning, for one release.
-MOVED_TO_LAYOUTS = ("faster_layout", "decoding_layout", "LAYOUTS", "LAYOUT_SAMPLE_BYTES")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -64,7 +62,7 @@ def resolve_precision(precision: str, device: torch.device, n_embd: int) -> torc
     """The autocast dtype for `precision` (auto, float32, bfloat16) on this device and model width.
 
     Here "auto" is a fixed width rule, the fallback where nothing was measured: a new run resolves "auto"
-    by timing both precisions (gptlab.machine) and hands a concrete value on."""
+    by timing both precisions (gptlab.training.machine) and hands a concrete value on."""
     if precision == "float32":
         return torch.float32
     if precision == "bfloat16":
@@ -83,20 +81,13 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), capped so a diverged loss prints as inf rather than raising."""
+    return math.exp(loss) if loss < 700 else math.inf
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices) for reproducible runs."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def __getattr__(name: str) -> object:
-    """The names in MOVED_TO_LAYOUTS, from gptlab.layouts, with a DeprecationWarning (module __getattr__,
-    PEP 562: asked only for names this module does not define)."""
-    if name in MOVED_TO_LAYOUTS:
-        from gptlab import layouts
-
-        warnings.warn(f"gptlab.common.{name} moved to gptlab.layouts.{name}; gptlab.common.{name} will be "
-                      "removed in the next release", DeprecationWarning, stacklevel=2)
-        return getattr(layouts, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

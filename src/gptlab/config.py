@@ -102,6 +102,36 @@ def flag(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+class SettingError(ValueError):
+    """A user mistake in named settings. `str()` names each as Python does (`TrainConfig.track_heads`, an
+    argument such as `run_dir`), so a Python caller reads what it passed; `as_flags` names each as the
+    command line does (`--track-heads`, `--out`), for the CLI's one error line.
+
+    `template` holds a `{key}` for each setting, filled from `settings` (key -> Python spelling); other
+    braces in it are left alone, so values may be formatted into it freely."""
+
+    def __init__(self, template: str, **settings: str) -> None:
+        self.template, self.settings = template, settings
+        super().__init__(self.fill(settings))
+
+    def fill(self, spellings: typing.Mapping[str, str]) -> str:
+        text = self.template
+        for key, spelling in spellings.items():
+            text = text.replace("{" + key + "}", spelling)
+        return text
+
+    def as_flags(self, argument_flags: typing.Mapping[str, str]) -> str:
+        """The message with each setting as its command-line option: a config field (`XConfig.name`) as
+        `flag(name)`, an argument through `argument_flags` (a `--no-x` switch written as `not XConfig.x`)."""
+        def option(spelling: str) -> str:
+            negated = spelling.startswith("not ")
+            owner, _, name = spelling.removeprefix("not ").rpartition(".")
+            if owner.endswith("Config"):
+                return "--no-" + flag(name)[2:] if negated else flag(name)
+            return argument_flags.get(spelling, spelling)
+        return self.fill({key: option(spelling) for key, spelling in self.settings.items()})
+
+
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None,
            aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field carrying its command-line help, allowed values and other spellings of its option."""
@@ -372,7 +402,7 @@ TASKS = ("reverse", "sort", "add")
 
 @dataclass
 class TaskConfig(Config):
-    """A built-in sequence-to-sequence task, generated on the fly (see gptlab.tasks)."""
+    """A built-in sequence-to-sequence task, generated on the fly (see gptlab.seq2seq.tasks)."""
 
     task: str = option("reverse", "reverse a string of letters, sort digits, or add two numbers", TASKS)
     min_len: int = option(1, "shortest source: letters or digits (add: digits per number)")

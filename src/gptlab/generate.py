@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gptlab.cache import KVCache
 from gptlab.config import ModelConfig, SamplingConfig
+from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.sampling import next_token, sampler, within_vocabulary
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 
 def window_start(config: ModelConfig, start: int, length: int) -> int:

@@ -15,7 +15,7 @@ Deliberate choices:
 - RoPE rotates the feature pairs (i, i + hs/2) of each head (the "rotate half" layout).
 - Post-norm models end with the last block's norm, so they have no extra final norm.
 - Position schemes take explicit positions (default 0..T-1), so generation can continue a sequence
-  from a KV cache (§7.1, handout #12, `gptlab.cache`) at any offset; the cache supplies the mask.
+  from a KV cache (§7.1, handout #12, `gptlab.kv_cache`) at any offset; the cache supplies the mask.
 
 Four options borrowed from the GPU speedrun (Keller Jordan's modded-nanogpt), each off by default:
 - `qk_norm`: each head's queries and keys are RMS-normalised over their hs features (gains shared by
@@ -38,7 +38,7 @@ from torch import nn
 from gptlab.config import ModelConfig
 
 if TYPE_CHECKING:
-    from gptlab.cache import KVCache
+    from gptlab.kv_cache import KVCache
 
 # ---------------------------------------------------------------------------------------------
 # §2-§3: scaled dot-product attention, written out (the reference every fast path is checked against)

@@ -26,9 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptlab import distributed
-from gptlab.adapt.chat import ChatTemplate, add_chat_tokens, missing_tokens, template_from_state
-from gptlab.adapt.lora import LoraConfig, add_lora, merge_lora, trainable_parameters
+from gptlab.adapt.chat import add_chat_tokens
 from gptlab.adapt.sft import LOSS_ON, TOO_LONG, Example, collate, load_examples, read_records
 from gptlab.checkpoint import (
     ADAPTER,
@@ -45,10 +43,12 @@ from gptlab.checkpoint import (
 )
 from gptlab.common import seed_everything
 from gptlab.config import Config, TrainConfig, check_choice, flag, option
+from gptlab.lora import LoraConfig, add_lora, merge_lora, trainable_parameters
 from gptlab.model import GPT
-from gptlab.presets import config_layers
-from gptlab.tokenizer import Tokenizer
-from gptlab.train import (
+from gptlab.text.chat_template import ChatTemplate, missing_tokens, template_from_state
+from gptlab.text.tokenizer import Tokenizer
+from gptlab.training import distributed
+from gptlab.training.loop import (
     Trainer,
     TrainResult,
     change,
@@ -61,6 +61,7 @@ from gptlab.train import (
     saved_machine,
     write_run_config,
 )
+from gptlab.training.presets import config_layers
 
 # Training settings of a fine-tuning run where the user gives none: shorter and gentler than pre-training.
 DEFAULTS = dict(batch_size=8, max_steps=300, lr=3e-4, warmup_steps=20, eval_interval=50, eval_batches=4)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from gptlab.adapt.chat import ROLES, ChatTemplate
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.chat_template import ROLES, ChatTemplate
+from gptlab.text.tokenizer import Tokenizer
 
 SHAPES = {"text": ("text",), "prompt-completion": ("prompt", "completion"), "messages": ("messages",)}
 LOSS_ON = ("completion", "all")

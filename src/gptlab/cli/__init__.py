@@ -18,14 +18,25 @@ from gptlab.cli.adapt import add_adapt_commands
 from gptlab.cli.chat import add_chat_command
 from gptlab.cli.common import TqdmHandler
 from gptlab.cli.compare import add_compare_command
+from gptlab.cli.eval import add_eval_command
 from gptlab.cli.hf import add_hf_commands
 from gptlab.cli.inspect import add_inspect_commands
+from gptlab.cli.lab import add_model_commands
 from gptlab.cli.learner import add_learner_commands
+from gptlab.cli.sample import add_sample_command
 from gptlab.cli.seq2seq import add_seq2seq_commands
 from gptlab.cli.serve import add_serve_command
-from gptlab.cli.text import add_data_commands, add_model_commands
+from gptlab.cli.train import add_prepare_command, add_train_commands
+from gptlab.config import SettingError
 
 EXIT_USAGE = 2
+# The command-line option of each library argument a SettingError names (config fields need no entry).
+ARGUMENT_FLAGS = {
+    "run_dir": "--out",
+    "resume": "--resume",
+    "data": "--data",
+    "init_from": "--init-from",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_model_commands(sub)
-    add_data_commands(sub)
+    add_prepare_command(sub)
+    add_train_commands(sub)
+    add_eval_command(sub)
+    add_sample_command(sub)
     add_hf_commands(sub)
     add_inspect_commands(sub)
     add_seq2seq_commands(sub)
@@ -65,6 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, terminate) if in_main_thread else None
     try:
         return func(args)
+    except SettingError as err:
+        print(f"gptlab: error: {err.as_flags(ARGUMENT_FLAGS)}", file=sys.stderr)
+        return EXIT_USAGE
     except (ValueError, OSError) as err:
         print(f"gptlab: error: {err}", file=sys.stderr)
         return EXIT_USAGE

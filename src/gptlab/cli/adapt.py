@@ -49,7 +49,7 @@ def cmd_masks(args: argparse.Namespace) -> int:
 
 def lora_config(args: argparse.Namespace) -> Any:
     """The LoraConfig the --lora options describe, or None without --lora."""
-    from gptlab.adapt.lora import LoraConfig
+    from gptlab.lora import LoraConfig
 
     given = {name: getattr(args, f"lora_{name}") for name in ("alpha", "dropout", "targets")
              if getattr(args, f"lora_{name}") is not None}
@@ -62,10 +62,10 @@ def lora_config(args: argparse.Namespace) -> Any:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune a run on JSONL examples (or continue doing so), then report the run."""
-    from gptlab import distributed
     from gptlab.adapt.finetune import DEFAULTS, LORA_LR, SFTConfig, finetune, resume_finetune
     from gptlab.checkpoint import LAST, has_checkpoint
     from gptlab.config import TrainConfig
+    from gptlab.training import distributed
 
     sft = SFTConfig(**config_overrides(args, SFTConfig))  # --data among them
     lora, train_overrides = lora_config(args), config_overrides(args, TrainConfig)

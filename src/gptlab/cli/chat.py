@@ -16,14 +16,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.common import add_config_arguments, add_device_option, add_weight_options, config_overrides
-from gptlab.cli.text import SAMPLE_DEFAULTS
+from gptlab.cli.sample import SAMPLE_DEFAULTS
 from gptlab.config import SamplingConfig
 
 if TYPE_CHECKING:  # torch is imported when a command runs, not when the parser is built
-    from gptlab.adapt.chat import ChatTemplate
     from gptlab.generate import Chunk
     from gptlab.model import GPT
-    from gptlab.tokenizer import Tokenizer
+    from gptlab.text.chat_template import ChatTemplate
+    from gptlab.text.tokenizer import Tokenizer
 
 COMMANDS = "/reset starts a new conversation, /exit (or Ctrl-D) ends"
 
@@ -33,8 +33,8 @@ class Conversation:
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, template: ChatTemplate, sampling: SamplingConfig,
                  system: str | None = None) -> None:
-        from gptlab.adapt.chat import missing_tokens
         from gptlab.sampling import sampler
+        from gptlab.text.chat_template import missing_tokens
 
         missing = missing_tokens(tokenizer, template)
         if missing:
@@ -75,10 +75,10 @@ class Conversation:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Load the run and its template; answer each --message, or talk until /exit, Ctrl-D or Ctrl-C."""
-    from gptlab.adapt.chat import template_from_state
     from gptlab.checkpoint import generation_defaults, load_header, load_run
     from gptlab.common import resolve_device
     from gptlab.quantize import inference_weights
+    from gptlab.text.chat_template import template_from_state
 
     if args.json and not args.message:
         raise ValueError("--json prints one object per --message turn: give --message")

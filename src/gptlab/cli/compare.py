@@ -44,7 +44,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def add_compare_command(sub: Any) -> None:
     """`gptlab compare`."""
-    from gptlab.cli.text import add_train_options
+    from gptlab.cli.train import add_train_options
 
     cmp = sub.add_parser(
         "compare", help="train a grid of settings over seeds and test the differences",

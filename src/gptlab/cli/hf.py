@@ -10,8 +10,8 @@ from typing import Any
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     """Write a run as a Hugging Face GPT-2, Llama or Qwen2 folder."""
-    from gptlab.adapt.lora import ADAPTER_CONFIG
     from gptlab.interop.huggingface import export_hf
+    from gptlab.interop.peft import ADAPTER_CONFIG
 
     result = export_hf(args.run, args.out_dir, adapter_only=args.adapter_only)
     adapter = next(((result.out_dir / name).parent for name in result.files

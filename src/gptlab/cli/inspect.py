@@ -114,12 +114,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import torch
 
     from gptlab.checkpoint import load_checkpoint
-    from gptlab.checks import failed
     from gptlab.common import resolve_device
-    from gptlab.encoder_decoder import EncoderDecoder
-    from gptlab.inspection.verify import verify_model
-    from gptlab.inspection.verify_finetune import measured_model, verify_finetuned
-    from gptlab.inspection.verify_seq2seq import verify_seq2seq
+    from gptlab.handout.properties import failed
+    from gptlab.handout.verify import verify_model
+    from gptlab.handout.verify_finetune import measured_model, verify_finetuned
+    from gptlab.handout.verify_seq2seq import verify_seq2seq
+    from gptlab.seq2seq.model import EncoderDecoder
 
     # The handout's checks use random token ids; only a fine-tuned run's data checks read its tokenizer.
     checkpoint = load_checkpoint(args.run)

@@ -1,5 +1,5 @@
 """The learner commands: `gptlab check` grades a learner's own implementation against the handout, and
-`gptlab break` writes or trains the classic bugs it catches. Thin wiring over gptlab.learner."""
+`gptlab break` writes or trains the classic bugs it catches. Thin wiring over gptlab.handout.learner."""
 
 from __future__ import annotations
 
@@ -55,9 +55,15 @@ examples:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Check each file in its own child process, print the report, write the files asked for."""
-    from gptlab.learner.formats import json_records, succeeded, text_lines, write_csv, write_gradescope
-    from gptlab.learner.grade import Names
-    from gptlab.learner.isolate import check_file
+    from gptlab.handout.learner.formats import (
+        json_records,
+        succeeded,
+        text_lines,
+        write_csv,
+        write_gradescope,
+    )
+    from gptlab.handout.learner.grade import Names
+    from gptlab.handout.learner.isolate import check_file
 
     paths = [Path(name) for name in args.files]
     for path in paths:
@@ -88,7 +94,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_break(args: argparse.Namespace) -> int:
     """List the bugs, write one (or the reference) as a learner-style file, or train one and the reference."""
-    from gptlab.learner import bugs  # imported here so that `gptlab check` never needs the gallery
+    from gptlab.handout.learner import bugs  # imported here so that `gptlab check` never needs the gallery
 
     if args.list:
         width = max(len(name) for name in bugs.BUGS)
@@ -110,7 +116,7 @@ def cmd_break(args: argparse.Namespace) -> int:
         found = "finds it" if bug.kind == "bug" else "does not fail it (a choice: --train shows its cost)"
         print(f"wrote {args.write}: {bug.title}; gptlab check {args.write} {found}")
         return 0
-    from gptlab.learner.side_by_side import train_side_by_side
+    from gptlab.handout.learner.side_by_side import train_side_by_side
 
     for line in train_side_by_side(args.bug, args.seconds, Path(args.out)):
         print(line)

@@ -24,8 +24,8 @@ SAMPLE_DEFAULTS = {"temperature": 0.0}  # answers are greedy unless a temperatur
 def answer_lines(model: Any, vocab: Any, task: TaskConfig, sources: list[str],
                  sampling: SamplingConfig | None = None, use_cache: bool = True) -> list[str]:
     """`source -> answer` lines, each marked right or wrong against the task's true answer."""
-    from gptlab import tasks
-    from gptlab.encoder_decoder import decode_answers
+    from gptlab.seq2seq import tasks
+    from gptlab.seq2seq.model import decode_answers
 
     for source in sources:
         tasks.check_source(task, source, model.config.block_size)
@@ -42,10 +42,11 @@ def answer_lines(model: Any, vocab: Any, task: TaskConfig, sources: list[str],
 
 def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     """Train a new seq2seq run (or resume one), then report exact match and a few held-out answers."""
-    from gptlab import distributed, tasks
     from gptlab.checkpoint import load_seq2seq
-    from gptlab.tasks import resolve_seq2seq_configs
-    from gptlab.train import flag, refuse_changes, resume, train_seq2seq
+    from gptlab.seq2seq import tasks
+    from gptlab.seq2seq.tasks import resolve_seq2seq_configs
+    from gptlab.training import distributed
+    from gptlab.training.loop import flag, refuse_changes, resume, train_seq2seq
 
     out = Path(args.out or f"runs/seq2seq-{args.task}")
     is_main = distributed.this_process().is_main
@@ -91,10 +92,10 @@ def cmd_seq2seq_sample(args: argparse.Namespace) -> int:
 
 def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
     """Exact match on held-out examples (sources never trained on, of the trained lengths)."""
-    from gptlab import tasks
     from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
     from gptlab.quantize import inference_weights
+    from gptlab.seq2seq import tasks
 
     model, _, task = load_seq2seq(args.run, resolve_device(args.device))
     model = inference_weights(model, args.dtype, args.quantize)
@@ -109,7 +110,7 @@ def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
 
 def preset_defaults(group: str) -> dict[str, str]:
     """The defaults the task presets give a config group's fields, for --help ("2" or "reverse 1500, ...")."""
-    from gptlab.tasks import SEQ2SEQ_PRESETS
+    from gptlab.seq2seq.tasks import SEQ2SEQ_PRESETS
 
     names = {name for preset in SEQ2SEQ_PRESETS.values() for name in preset[group]}
     shown = {}

@@ -20,13 +20,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ValueError(f"gptlab serve needs the serve extra ({err.name} is missing): "
                          "pip install -e '.[serve]'") from None
-    from gptlab.adapt.chat import template_from_state
     from gptlab.checkpoint import generation_defaults, load_header, load_run
     from gptlab.common import resolve_device
     from gptlab.quantize import inference_weights
     from gptlab.serve.guard import default_allowed_hosts, parse_allowed_hosts, read_api_key
     from gptlab.serve.schemas import SAMPLING_DEFAULTS, Limits
     from gptlab.serve.sizing import available_memory, plan_memory, weights_bytes
+    from gptlab.text.chat_template import template_from_state
 
     if args.api_key is not None:
         raise ValueError("--api-key would show the key to every user of this machine (in `ps`): put it in "

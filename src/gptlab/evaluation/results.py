@@ -13,7 +13,7 @@ from gptlab.evaluation.metrics import Metric, bits_per_byte, correct, correct_no
 from gptlab.evaluation.scoring import encode_pair, score_pairs
 from gptlab.evaluation.tasks import PACKAGE, Document, Task, load_task
 from gptlab.model import GPT
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from gptlab.model import GPT
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def plan(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], see
 def describe(grid: Grid, jobs: int, threads: int) -> list[str]:
     """The grid as lines: each cell's settings and size, the number of runs, and the time it should take,
     measured with a few steps of each distinct cell shape on this machine."""
-    from gptlab.data import TokenData
+    from gptlab.data.tokens import TokenData
 
     seeds = len(grid.runs) // len(grid.cells)
     lines = [f"{len(grid.cells)} cell(s) x {seeds} seed(s) = {len(grid.runs)} runs, {jobs} at a time with "
@@ -164,12 +164,12 @@ def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
     """The grid with precision "auto" (and Muon's) made concrete once for every cell, so that no two cells
     differ by a probe's noise, and compare.json's "machine" entry; None when no cell asks for "auto".
 
-    One probe (gptlab.machine), of the first such cell's model at its micro-batch with the threads each run
+    One probe (gptlab.training.machine), of the first such cell's model at its micro-batch with the threads each run
     gets, decides for the whole grid: give --precision (or vary it) to choose otherwise. A later call in the
     same OUT reuses the decisions compare.json holds (`earlier`), so its runs all keep one precision and the
     ones it resumes are not refused as changed."""
-    from gptlab.data import TokenData
-    from gptlab.machine import Decision, decide_muon_precision, decide_precision, describe, record
+    from gptlab.data.tokens import TokenData
+    from gptlab.training.machine import Decision, decide_muon_precision, decide_precision, describe, record
 
     auto = [cell for cell in grid.cells if cell.train_config.precision == "auto"]
     muon = [cell for cell in grid.cells
@@ -213,7 +213,7 @@ def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
 
 def write_grid(out: Path, grid: Grid, command: str, machine: dict[str, Any] | None = None) -> None:
     """compare.json: the cells (settings and configs), the seeds, the baseline and what was decided for this
-    machine (`machine`, gptlab.machine's record), for readers of OUT."""
+    machine (`machine`, gptlab.training.machine's record), for readers of OUT."""
     seeds = sorted({r.seed for r in grid.runs})
     record = {"command": command, "seeds": seeds, "baseline": grid.baseline.name,
               **({"machine": machine} if machine else {}), "cells": [

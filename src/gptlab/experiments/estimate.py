@@ -15,7 +15,7 @@ def step_seconds(model_config: ModelConfig, train_config: TrainConfig, threads: 
     """Seconds one optimiser step of this model and batch takes here with `threads` threads (random
     tokens: the time does not depend on the text)."""
     from gptlab.checkpoint import new_model
-    from gptlab.optim import make_optimizer
+    from gptlab.training.optim import make_optimizer
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)

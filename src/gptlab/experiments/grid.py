@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.config import Config, ModelConfig, TrainConfig, flag
-from gptlab.presets import resolve_configs
+from gptlab.training.presets import resolve_configs
 
 # Keys that name where a run's settings and text come from, not a config field: key -> RunOptions field.
 SOURCE_KEYS = {"preset": "preset", "config": "config", "data": "data", "tokenizer": "tokenizer",

@@ -1,6 +1,6 @@
 """Train a grid's runs, N at a time, so that the same command run again finishes the work and nothing more.
 
-Each run is an ordinary run folder trained by `gptlab.train`. Before anything trains, every run's state is
+Each run is an ordinary run folder trained by `gptlab.training.loop`. Before anything trains, every run's state is
 read: a finished run is skipped, an interrupted one resumed (its last checkpoint is at most `save_every`
 seconds old), a new one started; a run folder trained with other settings is refused by name. Runs train
 in worker processes of their own (`jobs` at once, the cores divided among them); a worker follows its
@@ -88,7 +88,7 @@ def data_folder_for(cell: Cell, out: Path) -> Path:
 def prepare_data(cells: list[Cell], out: Path, progress: bool) -> dict[str, Path]:
     """Prepare every distinct text once, before any run trains (a bad source fails here); cell name ->
     prepared folder. A folder prepared by an earlier call from the same text is reused."""
-    from gptlab.data import prepare
+    from gptlab.data.prepare import prepare
 
     folders: dict[str, Path] = {}
     for cell in cells:
@@ -110,8 +110,8 @@ def prepare_data(cells: list[Cell], out: Path, progress: bool) -> dict[str, Path
 def plan_job(run: Run, data: Path, threads: int, logs: Path) -> Job | None:
     """The job that brings `run` to its end, or None when it is finished and scored; a run folder trained
     with other settings than the grid's is refused, naming what differs."""
-    from gptlab.data import TokenData
-    from gptlab.train import RESUMABLE
+    from gptlab.data.tokens import TokenData
+    from gptlab.training.loop import RESUMABLE
 
     model = run.cell.model_config.replace(vocab_size=TokenData(data).tokenizer.vocab_size)
     train = run.train_config
@@ -158,8 +158,8 @@ def final_loss(folder: Path) -> float | None:
 def score(folder: Path, data: Path) -> float:
     """Score a run's last checkpoint on the validation split (its first FINAL_TOKENS) into final.json."""
     from gptlab.checkpoint import inference_model, load_checkpoint
-    from gptlab.data import TokenData
-    from gptlab.evaluate import evaluate_tokens
+    from gptlab.data.tokens import TokenData
+    from gptlab.evaluation.heldout import evaluate_tokens
 
     checkpoint = load_checkpoint(folder, prefer=LAST)
     result = evaluate_tokens(inference_model(checkpoint, folder), TokenData(data).split("val"),
@@ -174,7 +174,7 @@ def execute(job: Job) -> Outcome:
     """Train, resume or score one run in this process (with its log in `job.log_file`)."""
     import torch
 
-    from gptlab.train import TrainingDiverged, resume, train
+    from gptlab.training.loop import TrainingDiverged, resume, train
 
     torch.set_num_threads(job.threads)
     handler = None

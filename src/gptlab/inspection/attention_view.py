@@ -26,7 +26,7 @@ from gptlab.inspection.hooks import record
 from gptlab.inspection.page import PAGE
 from gptlab.inspection.tokens import token_label, token_labels
 from gptlab.model import GPT
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 TOP_PREDICTIONS = 5  # next tokens listed per position on the HTML page
 INCHES_PER_TOKEN = 0.1  # heatmap size per token, so ~7-point labels never overlap

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import torch
 
-from gptlab import tasks
 from gptlab.config import TaskConfig
-from gptlab.encoder_decoder import EncodedSource, EncoderDecoder, decode_answers
 from gptlab.inspection.attention_view import check_index, draw_grid
 from gptlab.inspection.hooks import recorded_inputs
-from gptlab.tokenizer import SymbolTokenizer
+from gptlab.seq2seq import tasks
+from gptlab.seq2seq.model import EncodedSource, EncoderDecoder, decode_answers
+from gptlab.text.tokenizer import SymbolTokenizer
 
 
 def cross_inputs(model: EncoderDecoder, tgt: torch.Tensor, source: EncodedSource) -> list[torch.Tensor]:

@@ -24,7 +24,7 @@ from gptlab.inspection.hooks import record
 from gptlab.inspection.page import static_text
 from gptlab.inspection.tokens import token_label, token_labels
 from gptlab.model import GPT
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 TOP = 5  # predictions kept per stage and position
 

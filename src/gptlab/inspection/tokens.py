@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 # Characters a label shows visibly: a space, line breaks and tabs would vanish on an axis.
 VISIBLE = {" ": "\u2423", "\n": "\\n", "\r": "\\r", "\t": "\\t"}

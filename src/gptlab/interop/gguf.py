@@ -40,12 +40,12 @@ from gptlab.interop.hf_tokenizer import byte_level_bpe, byte_to_unicode, hf_toke
 from gptlab.interop.llama import from_llama_state, to_llama_state
 from gptlab.interop.shapes import expected_shapes
 from gptlab.model import GPT
-from gptlab.tokenizer import EOT, Tokenizer, tokenizer_from_dict
+from gptlab.text.tokenizer import EOT, Tokenizer, tokenizer_from_dict
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 PRE_TOKENIZER = "gpt-2"  # llama.cpp's name for GPT-2's split pattern, the one gptlab's byte-level kinds use
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-# gptlab's native chat template (gptlab.adapt.chat.NativeTemplate) in Jinja, for llama.cpp's chat mode.
+# gptlab's native chat template (gptlab.text.chat_template.NativeTemplate) in Jinja, for llama.cpp's chat mode.
 NATIVE_JINJA = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # What each graph needs of a gptlab ModelConfig: field -> (value, why). Neither graph has the GPU-speedrun
@@ -264,7 +264,7 @@ def tokenizer_from_vocab(vocab: GGUFVocab) -> Tokenizer:
 def chat_template_source(checkpoint: Checkpoint) -> str | None:
     """The run's chat template as Jinja: an import's own, or gptlab's native one where the tokenizer has
     its markers (a chat fine-tune); None for a run that was never taught to chat."""
-    from gptlab.adapt.chat import NativeTemplate, missing_tokens
+    from gptlab.text.chat_template import NativeTemplate, missing_tokens
 
     saved = checkpoint.state.get("chat_template")
     if saved is not None:

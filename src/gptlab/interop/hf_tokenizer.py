@@ -16,7 +16,7 @@ from typing import Any
 
 from gptlab.interop.gpt2 import GPT2_VOCAB
 from gptlab.interop.hf_folder import eos_ids, generation_config, token_ids
-from gptlab.tokenizer import EOT, ImportedTokenizer, tokenizer_from_dict
+from gptlab.text.tokenizer import EOT, ImportedTokenizer, tokenizer_from_dict
 
 
 def byte_to_unicode() -> dict[int, str]:
@@ -80,7 +80,7 @@ def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str | None:
         return tokenizer["json"]
     if tokenizer["kind"] == "gpt2":
         # tokenizer.py's loader, for its error message that says how to get tiktoken's files
-        from gptlab.tokenizer import load_gpt2_encoding
+        from gptlab.text.tokenizer import load_gpt2_encoding
 
         encoding = load_gpt2_encoding()
         eot = encoding.eot_token

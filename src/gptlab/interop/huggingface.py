@@ -12,7 +12,7 @@ tokenizers; `transformers` (the `hf` extra) is imported only by `to_transformers
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +28,11 @@ from gptlab.checkpoint import (
     require_architecture,
     save_checkpoint,
 )
-from gptlab.config import ModelConfig
 from gptlab.files import atomic_write, atomic_write_text
+from gptlab.interop.families import Conversion, export_family
 from gptlab.interop.gpt2 import (
     from_gpt2_state,
     gpt2_config,
-    gpt2_problems,
     model_config_from_gpt2,
     to_gpt2_state,
 )
@@ -41,38 +40,20 @@ from gptlab.interop.hf_folder import chat_template, generation_defaults, read_te
 from gptlab.interop.hf_tokenizer import hf_tokenizer_json, read_hf_tokenizer, read_llama_tokenizer
 from gptlab.interop.llama import (
     FAMILIES,
-    family_of,
     from_llama_state,
     llama_config,
-    llama_problems,
     model_config_from_llama,
     to_llama_state,
 )
 from gptlab.interop.shapes import HEAD, expected_shapes
 from gptlab.model import GPT
-from gptlab.tokenizer import EOT, ImportedTokenizer
+from gptlab.text.tokenizer import EOT, ImportedTokenizer
 
 ADAPTER_DIR = "adapter"  # where export-hf puts an adapter run's PEFT adapter, inside the exported base
 
 
-@dataclass(frozen=True)
-class Conversion:
-    """What export_hf or import_hf wrote, and anything the user should know about it."""
-
-    out_dir: Path
-    files: list[str]
-    notes: list[str] = field(default_factory=list)
 
 
-def export_family(config: ModelConfig) -> str:
-    """`gpt2`, `llama` or `qwen2`: the Hugging Face family this config is; one ValueError lists, for GPT-2
-    and for the Llama family, every field that does not fit."""
-    gpt2, llama = gpt2_problems(config), llama_problems(config)
-    if not gpt2:
-        return "gpt2"
-    if not llama:
-        return family_of(config)
-    raise ValueError(f"this model is neither a GPT-2 ({'; '.join(gpt2)}) nor a Llama ({'; '.join(llama)})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,7 +89,8 @@ def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only
     """An adapter run as its base model in OUT (export_checkpoint) and its adapters as a PEFT adapter in
     OUT/adapter, a folder of its own: transformers would apply an adapter it found beside config.json.
     With `adapter_only`, the adapter alone in OUT, for a base exported before."""
-    from gptlab.adapt.lora import LoraConfig, export_peft_adapter, is_lora_tensor, peft_adapter
+    from gptlab.interop.peft import export_peft_adapter, peft_adapter
+    from gptlab.lora import LoraConfig, is_lora_tensor
 
     model = checkpoint.build_gpt()  # the base run's model with the adapters on it (checkpoint.ADAPTER)
     lora = LoraConfig.from_dict(checkpoint.state[ADAPTER]["config"])

@@ -34,7 +34,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from gptlab.adapt.chat import ChatTemplate, NativeTemplate
 from gptlab.inspection.attention_view import attention_maps
 from gptlab.model import GPT
 from gptlab.serve.batching import Scheduler
@@ -54,7 +53,8 @@ from gptlab.serve.schemas import (
     parse,
     with_defaults,
 )
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.chat_template import ChatTemplate, NativeTemplate
+from gptlab.text.tokenizer import Tokenizer
 
 MAX_BODY = 1 << 20  # bytes: a larger body is a 413
 

@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from gptlab.cache import KVCache
 from gptlab.config import SamplingConfig
 from gptlab.generate import Chunk, text_chunks, window_start
+from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.sampling import next_token, within_vocabulary
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 SLOT_STEP = 64  # the cache's slots per row grow in steps of this many
 

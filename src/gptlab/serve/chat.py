@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gptlab.adapt.chat import ChatTemplate, missing_tokens
 from gptlab.serve.batching import Event
 from gptlab.serve.completion import (
     FINISH_REASONS,
@@ -32,7 +31,8 @@ from gptlab.serve.completion import (
     token_text,
 )
 from gptlab.serve.schemas import APIError, ChatMessage, ChatRequest, sampling_config
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.chat_template import ChatTemplate, missing_tokens
+from gptlab.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

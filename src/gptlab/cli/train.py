@@ -1,0 +1,230 @@
+"""The prepare / train / consolidate commands: text into token files, a training run, sharded checkpoints
+into single files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gptlab.cli.common import (
+    add_config_arguments,
+    add_run_options,
+    config_overrides,
+    print_configs,
+    report_run,
+)
+from gptlab.cli.eval import evaluation_line
+from gptlab.cli.sample import print_samples
+from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
+
+EVAL_TOKENS = 2**18  # the final evaluation after training scores at most this many tokens
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    """Tokenize a corpus or text into train.bin / val.bin beside its tokenizer."""
+    from gptlab.common import on_terminal
+    from gptlab.data.prepare import prepare
+
+    meta = prepare(args.source, args.out, tokenizer=args.tokenizer or "char",
+                   vocab_size=args.tokenizer_vocab_size, val_fraction=args.val_fraction,
+                   progress=not args.no_progress and on_terminal(), split=args.split)
+    tokens = meta["tokens"]
+    print(f"wrote {args.out}: {tokens['train']:,} train and {tokens['val']:,} validation tokens, "
+          f"{meta['tokenizer']} tokenizer with {meta['vocab_size']:,} ids")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train a new run (or resume one), then report its evaluation and a few samples.
+
+    Under torchrun every process runs this; the library joins the process group, rank 0 prepares the
+    data, and only rank 0 prints.
+    """
+    from gptlab.checkpoint import LAST, has_checkpoint
+    from gptlab.training import distributed
+    from gptlab.training.loop import resume, train
+    from gptlab.training.presets import resolve_configs
+
+    out = Path(args.out)
+    is_main = distributed.this_process().is_main
+    repeated = not args.resume and has_checkpoint(out, LAST)  # the same command again continues its run
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun --max-restarts counts here
+    if repeated and is_main:
+        print(f"note: torchrun restarted the workers (restart {restart}): continuing {out} from its last "
+              "checkpoint" if restart else
+              f"note: {out} already holds a run: continuing it, as --resume would")
+    if args.resume or repeated:
+        changes, data = resume_options(args, out)
+        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder",
+                        changes=changes, data=data)
+    else:
+        model_overrides = config_overrides(args, ModelConfig)
+        if args.init_from and model_overrides:
+            flags = ", ".join("--" + name.replace("_", "-") for name in model_overrides)
+            raise ValueError(f"--init-from takes the model from the checkpoint: {flags} cannot change it")
+        model_config, train_config = resolve_configs(
+            args.preset, args.config, model_overrides, config_overrides(args, TrainConfig)
+        )
+        if is_main:
+            print_configs({"model": model_config, "train": train_config}, hidden=("vocab_size",))
+        result = train(out, args.data or "shakespeare", model_config, train_config,
+                       tokenizer=args.tokenizer or "char", vocab_size=args.tokenizer_vocab_size,
+                       stop_at=args.stop_at, progress=not args.no_progress, init_from=args.init_from)
+    if not is_main:
+        return result.exit_status
+    # One validation number: a finished run's best checkpoint scored on its val split in order (more
+    # tokens than the sampled batches that chose it); an interrupted run reports that estimate.
+    report_run(result, out, None if result.interrupted else
+               lambda: f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
+    if result.interrupted:
+        return result.exit_status
+    if args.samples:
+        print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu")
+    return 0
+
+
+def resume_options(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], str | None]:
+    """What `train --resume` is asked beyond continuing: the training fields to change, and the prepared
+    folder of a moved run. Options whose values equal the run's are accepted (repeating the command
+    that started the run continues it); every other one is refused, by name, with both values."""
+    from gptlab.checkpoint import LAST, architecture, load_header, require_architecture
+    from gptlab.training.loop import refuse_changes, resume_changes
+    from gptlab.training.presets import config_layers
+
+    header = load_header(out, prefer=LAST)
+    require_architecture(architecture(header.model_config), out, "decoder")
+    prepared = args.data is not None and (Path(args.data) / "meta.json").is_file()
+    if header.train_config is None:  # nothing to resume: `resume` says so
+        return config_overrides(args, TrainConfig), args.data if prepared else None
+    layers = config_layers(args.preset, args.config, config_overrides(args, ModelConfig),
+                           config_overrides(args, TrainConfig))
+    changes, refused = resume_changes(header, layers)
+    refuse_changes(refused + source_changes(args, header, out, prepared))
+    return changes, args.data if prepared else None
+
+
+def source_changes(args: argparse.Namespace, header: Any, out: Path, prepared: bool) -> list[str]:
+    """The options naming where the run's model, tokenizer and text come from (--init-from, --tokenizer,
+    --vocab-size, --data as text) that name something other than what the run was made from."""
+    from gptlab.checkpoint import data_folder, load_header
+    from gptlab.data.corpora import CORPORA
+    from gptlab.training.loop import change
+
+    refused = []
+    if args.init_from is not None:
+        start = load_header(args.init_from)  # its vocabulary is its tokenizer's, compared below
+        shape = {**start.model_config.to_dict(), "vocab_size": header.model_config.vocab_size}
+        if shape != header.model_config.to_dict() or start.tokenizer != header.tokenizer:
+            refused.append(f"--init-from {args.init_from} (another model or tokenizer than the run's)")
+    kind = header.tokenizer.get("kind")
+    if args.tokenizer is not None and args.tokenizer != kind:
+        refused.append(change("--tokenizer", "tokenizer", kind, args.tokenizer))
+    if args.tokenizer_vocab_size not in (None, header.model_config.vocab_size):
+        refused.append(change("--vocab-size", "vocab_size", header.model_config.vocab_size,
+                              args.tokenizer_vocab_size))
+    if args.data is None or prepared:
+        return refused  # a prepared folder is checked by `resume`: it must hold the run's tokenizer
+    meta = json.loads((data_folder(out, header.state) / "meta.json").read_text(encoding="utf-8"))
+    source = meta.get("source")
+    same = args.data == source or (args.data not in CORPORA and source not in CORPORA
+                                  and Path(args.data).resolve() == Path(str(source)).resolve())
+    if not same:
+        refused.append(change("--data", "text", source, args.data))
+    elif args.tokenizer is None and args.init_from is None and kind != "char":  # a new run would use char
+        refused.append(f"--data {args.data} without --tokenizer (char, but the run's tokenizer is {kind})")
+    return refused
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from gptlab.checkpoint import consolidate
+
+    written = consolidate(Path(args.run))
+    for file in written:
+        print(f"wrote {file}")
+    if not written:
+        print(f"{args.run} holds single-file checkpoints already: nothing to consolidate")
+    return 0
+
+
+def add_prepare_command(sub: Any) -> None:
+    """The prepare command."""
+    from gptlab.data.corpora import CORPORA
+    from gptlab.text.tokenizer import TOKENIZERS
+
+    source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
+    prep = sub.add_parser(
+        "prepare", help="tokenize text into train/val token files",
+        description="Tokenize a corpus into OUT/train.bin and OUT/val.bin (memory-mapped token ids), "
+        "OUT/tokenizer.json and OUT/meta.json, holding out a deterministic validation split.",
+    )
+    prep.add_argument("source", help=source_help)
+    prep.add_argument("--out", required=True, help="folder to write (replaced only on success)")
+    prep.add_argument("--val-fraction", type=float, default=0.1, help="share held out for validation")
+    prep.add_argument("--split", choices=("spread", "tail"), default="spread",
+                      help="spread: every tenth chunk validates, across the whole corpus (default); tail: "
+                      "the last val-fraction of the text validates, as nanoGPT splits")
+    add_tokenizer_options(prep, TOKENIZERS)
+    prep.set_defaults(func=cmd_prepare)
+
+
+
+def add_train_commands(sub: Any) -> None:
+    """The train and consolidate commands."""
+    tr = sub.add_parser(
+        "train", help="train a model (the main job)",
+        description="Train a GPT on a corpus with teacher forcing. Settings are layered: defaults, "
+        "then --preset, then --config FILE.toml ([model] and [train] tables), then options below. "
+        "The run folder gets config.json, metrics.csv, steps.csv, loss.png, last.safetensors and "
+        "best.safetensors (sharded under torchrun --parallel fsdp: see --checkpoint-format). Ctrl-C saves "
+        "and stops; --resume continues exactly.",
+        epilog="example: gptlab train --preset demo --data shakespeare --out runs/demo",
+    )
+    tr.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
+    add_run_options(tr)
+    tr.add_argument("--init-from", metavar="RUN", help="fine-tune: start from this run's (or an imported "
+                    "model's) weights and architecture, tokenizing --data with its tokenizer")
+    tr.add_argument("--samples", type=int, default=2, help="samples printed after training (default 2)")
+    add_train_options(tr, data_help=", or a prepared folder (default shakespeare); with --resume, the run's "
+                      "prepared folder if it was moved")
+    tr.set_defaults(func=cmd_train)
+
+    co = sub.add_parser(
+        "consolidate", help="turn a run's sharded checkpoints into single safetensors files",
+        description="A run trained under torchrun with --parallel fsdp saves sharded checkpoints "
+        "(RUN/shards/, named by last.shards.json and best.shards.json): every command reads them as they "
+        "are. "
+        "consolidate writes last.safetensors and best.safetensors from them in one process and removes "
+        "the shards, for copying a run as two files or for tools that read one file.",
+        epilog="example: gptlab consolidate runs/fsdp",
+    )
+    co.add_argument("run", help="run folder")
+    co.set_defaults(func=cmd_consolidate)
+
+
+def add_train_options(parser: argparse.ArgumentParser, data_help: str,
+                      exclude: Sequence[str] = ()) -> None:
+    """What a training run is made of: --preset, --config, --data and its tokenizer, and one option per
+    model and training field (shared by `train` and `compare`)."""
+    from gptlab.data.corpora import CORPORA
+    from gptlab.text.tokenizer import TOKENIZERS
+    from gptlab.training.presets import PRESETS
+
+    parser.add_argument("--preset", choices=list(PRESETS), help="named settings to start from")
+    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] tables")
+    parser.add_argument("--data", help=f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder "
+                        "or a glob" + data_help)
+    add_tokenizer_options(parser, TOKENIZERS)
+    # vocab_size comes from the tokenizer (so --vocab-size is the tokenizer's); causal is never switched off
+    add_config_arguments(parser, ModelConfig, "model options", exclude=("vocab_size", "causal"))
+    add_config_arguments(parser, TrainConfig, "training options", exclude=exclude)
+
+
+def add_tokenizer_options(parser: argparse.ArgumentParser, tokenizers: Sequence[str]) -> None:
+    parser.add_argument("--tokenizer", choices=tokenizers, help="how text becomes ids (default char)")
+    parser.add_argument("--vocab-size", type=int, dest="tokenizer_vocab_size", metavar="N",
+                        help="vocabulary size of a trained bpe tokenizer")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
