@@ -25,13 +25,14 @@ NEEDED = ("lm_eval", "transformers", "uvicorn")
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in NEEDED),
                                 reason="needs lm-eval, transformers and uvicorn (gptlab[harness,hf,serve])")
 
+from test_serve import start_server  # noqa: E402
+
 from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint  # noqa: E402
 from gptlab.config import ModelConfig  # noqa: E402
 from gptlab.interop.huggingface import export_hf  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.text.tokenizer import Tokenizer, train_tokenizer  # noqa: E402
-from test_serve import start_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 TASK = "gptlab_tiny_choice"

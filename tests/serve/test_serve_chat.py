@@ -15,13 +15,14 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from test_chat_cli import END, build_chat_run  # noqa: E402
+from test_serve import Live, start_server  # noqa: E402
+
 from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import SamplingConfig  # noqa: E402
 from gptlab.generate import stream_text  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.text.chat_template import NativeTemplate  # noqa: E402
-from test_chat_cli import END, build_chat_run  # noqa: E402
-from test_serve import Live, start_server  # noqa: E402
 
 ASKED = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}]
 

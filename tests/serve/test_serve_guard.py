@@ -12,6 +12,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from test_serve import NAME, Live, alone, start_server  # noqa: E402
+from test_serve import live as live  # noqa: E402, F401  (the module's server fixture)
+
 import gptlab.serve.app as app_module  # noqa: E402
 from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.cli import main  # noqa: E402
@@ -24,8 +27,6 @@ from gptlab.serve.guard import (  # noqa: E402
     parse_allowed_hosts,
     read_api_key,
 )
-from test_serve import NAME, Live, alone, start_server  # noqa: E402
-from test_serve import live as live  # noqa: E402, F401  (the module's server fixture)
 
 BODY = {"prompt": "a", "max_tokens": 2}
 

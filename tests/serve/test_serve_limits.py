@@ -16,12 +16,13 @@ import torch
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from test_serve import MAX_TOKENS, NAME, Live, start_server, wait_for  # noqa: E402
+
 from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import ModelConfig  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.schemas import Limits  # noqa: E402
 from gptlab.serve.sizing import HEADROOM, plan_memory  # noqa: E402
-from test_serve import MAX_TOKENS, NAME, Live, start_server, wait_for  # noqa: E402
 
 LONG = {"prompt": "the cat", "max_tokens": MAX_TOKENS, "temperature": 1.0}
 

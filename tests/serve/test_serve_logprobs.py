@@ -15,11 +15,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
+from test_serve import Live, start_server  # noqa: E402
+
 from gptlab.config import ModelConfig  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.text.tokenizer import ByteTokenizer  # noqa: E402
-from test_serve import Live, start_server  # noqa: E402
 
 NAME = "bytes"
 PROMPT = "héllo, wörld"  # two characters of two bytes each: tokens that are pieces of a character

@@ -22,13 +22,14 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from test_serve import Live, alone, start_server  # noqa: E402
+from test_serve_tokens import THE, successor_model  # noqa: E402
+
 from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import ModelConfig, SamplingConfig  # noqa: E402
 from gptlab.inspection.attention_view import attention_maps  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.page import playground  # noqa: E402
-from test_serve import Live, alone, start_server  # noqa: E402
-from test_serve_tokens import THE, successor_model  # noqa: E402
 
 if TYPE_CHECKING:
     from browser import Chromium
@@ -236,8 +237,9 @@ def test_playground_chat_mode_shows_the_reply_and_its_probabilities(tmp_path: Pa
                                                                      browser: Chromium) -> None:
     """Chat mode: a sent message gets the API's greedy reply, each token shaded by the API's probability;
     a second message continues the conversation; a click shows where the model looked in the chat."""
-    from gptlab.text.chat_template import NativeTemplate
     from test_chat_cli import build_chat_run
+
+    from gptlab.text.chat_template import NativeTemplate
 
     model, tokenizer = load_run(build_chat_run(tmp_path / "chat"))
     url, server, thread = start_server(create_app(model, tokenizer, "chat", template=NativeTemplate()))

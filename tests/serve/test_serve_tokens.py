@@ -109,8 +109,9 @@ THE = {">": "t", "t": "h", "h": "\xc3", "\xc3": "\xa9", "\xa9": "."}
 @pytest.fixture(scope="module")
 def served_bytes() -> Iterator[str]:
     pytest.importorskip("fastapi")
-    from gptlab.serve.app import create_app
     from test_serve import start_server
+
+    from gptlab.serve.app import create_app
 
     model, tokenizer = successor_model(THE)
     url, server, thread = start_server(create_app(model, tokenizer, "bytes"))

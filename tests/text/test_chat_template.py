@@ -97,9 +97,10 @@ def test_template_read_from_a_saved_hf_folder(tmp_path: Path) -> None:
 def test_import_hf_keeps_the_folders_template_with_the_run(tmp_path: Path) -> None:
     """`gptlab import-hf` saves the folder's template in the run's header; read back, it renders as the
     folder's own tokenizer does in transformers."""
+    from test_llama import hf_model, tokenizer_folder
+
     from gptlab.checkpoint import load_header
     from gptlab.cli import main
-    from test_llama import hf_model, tokenizer_folder
 
     source = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
     hf_model("llama", 4, 2, True, 300).save_pretrained(tmp_path / "hf")

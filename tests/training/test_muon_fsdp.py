@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_distributed import SETTINGS, assert_same_run, data_dir, gptlab  # noqa: F401 (data_dir: a fixture)
 from torch.testing import assert_close
 
 from gptlab.training.optim import BatchedMuon
-from test_distributed import SETTINGS, assert_same_run, data_dir, gptlab  # noqa: F401 (data_dir: a fixture)
 
 MUON = ["--optimizer", "muon", "--muon-lr", "0.02"]
 
