@@ -112,8 +112,7 @@ def main() -> None:
         worker(args)
         return
     from gptlab.common import cpu_name
-    from gptlab.config import ModelConfig
-    from gptlab.model import parameter_count
+    from gptlab.config import ModelConfig, parameter_count
 
     config = ModelConfig(n_layer=args.n_layer, n_embd=args.n_embd, n_head=12, vocab_size=args.vocab_size)
     params = parameter_count(config)["total"]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gptlab.config import POSITIONS, ModelConfig
+from gptlab.config import POSITIONS, ModelConfig, parameter_count
 from gptlab.generate import Decoder
 from gptlab.inspection.hooks import recompute_attention
-from gptlab.model import GPT, parameter_count
+from gptlab.model import GPT
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,17 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from gptlab.config import ARRANGEMENTS, FFNS, NORMS, POSITIONS, ModelConfig
+from gptlab.config import ARRANGEMENTS, FFNS, NORMS, POSITIONS, ModelConfig, parameter_count
 from gptlab.model import (
     ACTIVATIONS,
     GPT,
     KERNELS,
     Block,
     CausalSelfAttention,
-    Rotary,
-    SinusoidalPositions,
-    parameter_count,
 )
+from gptlab.positions import Rotary, SinusoidalPositions
 
 TinyConfig = Callable[..., ModelConfig]  # the `tiny_config` fixture of conftest.py
 

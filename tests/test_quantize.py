@@ -103,7 +103,7 @@ def test_every_linear_is_replaced_and_a_tied_embedding_stays_float(random_gpt: C
 
 
 def test_quantize_refuses_other_devices_and_methods(random_gpt: Callable[..., GPT]) -> None:
-    with pytest.raises(ValueError, match="CPU only, not on meta: use --device cpu, or --quantize none"):
+    with pytest.raises(ValueError, match="CPU only, not on meta: use device cpu, or quantize none"):
         quantize(random_gpt().to("meta"), "int8")
     with pytest.raises(ValueError, match="quantize='int4' is not one of none, int8"):
         quantize(random_gpt(), "int4")

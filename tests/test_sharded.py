@@ -20,7 +20,8 @@ from gptlab import sharded
 from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
-from gptlab.training.loop import resume, train
+from gptlab.training.loop import train
+from gptlab.training.resume import resume
 
 MODEL = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=16)
 TRAIN = TrainConfig(batch_size=4, max_steps=8, lr=3e-3, warmup_steps=2, eval_interval=4, eval_batches=1,

@@ -26,10 +26,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from gptlab import sharded
-from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
+from gptlab.config import ModelConfig, Seq2SeqConfig, SettingError, TaskConfig, TrainConfig
 from gptlab.files import RunLock, atomic_write
 from gptlab.layouts import decoding_layout
 from gptlab.model import GPT
+from gptlab.quantize import inference_weights
 from gptlab.seq2seq.model import EncoderDecoder
 from gptlab.text.tokenizer import DamagedTokenizerError, SymbolTokenizer, Tokenizer, tokenizer_from_dict
 
@@ -252,8 +253,9 @@ def load_checkpoint(path: str | Path, prefer: str = BEST, lazy: bool = False,
     """Read a checkpoint (or a run folder's `prefer` checkpoint) onto the CPU, whole.
 
     With `lazy`, a sharded checkpoint's tensors are shapes only (meta tensors): a sharded run then
-    loads just its own shards (gptlab.training.distributed.load_shards). Without `optimizer` the optimiser slots,
-    twice the weights' size under AdamW, are not read (`optimizer_state` is None): enough to use a model.
+    loads just its own shards (gptlab.training.distributed.load_shards). Without `optimizer` the optimiser
+    slots, twice the weights' size under AdamW, are not read (`optimizer_state` is None): enough to use a
+    model.
     """
     return _read(path, prefer, "shapes" if lazy else "all" if optimizer else "weights")
 
@@ -420,6 +422,14 @@ def load_run(
     return inference_model(checkpoint, path, device, expect, dtype), checkpoint.load_tokenizer()
 
 
+def load_for_inference(run: str | Path, device: torch.device | str = "cpu", dtype: str = "float32",
+                       quantize: str = "none") -> tuple[GPT, Tokenizer]:
+    """A run's decoder (its best checkpoint, in eval mode, on `device`) and tokenizer, its weights held in
+    `dtype` (float32, bfloat16) or quantised (none, int8) as `gptlab.quantize.inference_weights` says."""
+    model, tokenizer = load_run(run, device)
+    return inference_weights(model, dtype, quantize), tokenizer
+
+
 @overload
 def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = ...,
                     expect: Literal["decoder"] = ..., dtype: torch.dtype = ...) -> GPT: ...
@@ -459,13 +469,14 @@ def data_folder(run_dir: Path, state: dict[str, Any]) -> Path:
     """The prepared folder a text run was trained on: stored relative to the run folder when inside it,
     so a run moved or renamed with its data still finds it; a clear error when it cannot be found."""
     if "data_dir" not in state:
-        raise ValueError(f"{run_dir} was not trained by gptlab on text, so it has no train or val split: "
-                         "evaluate it on a text with --data FILE")
+        raise SettingError(f"{run_dir} was not trained by gptlab on text, so it has no train or val split: "
+                           "evaluate it on a text with {data} FILE", data="data")
     folder = run_dir / state["data_dir"]  # an absolute path stays as it is
     if not (folder / "meta.json").is_file():
-        raise ValueError(f"{run_dir} was trained on the prepared data in {folder}, which is not there: if "
-                         "the run or its data was moved, point it at the data with --data FOLDER (gptlab "
-                         "train --resume --out RUN --data FOLDER, or gptlab eval RUN --data FOLDER)")
+        raise SettingError(f"{run_dir} was trained on the prepared data in {folder}, which is not there: if "
+                           "the run or its data was moved, point it at the data with {data} FOLDER (gptlab "
+                           "train --resume --out RUN --data FOLDER, or gptlab eval RUN --data FOLDER)",
+                           data="data")
     return folder
 
 

@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import torch
 
+from gptlab.config import SettingError
+
 # Measured on a 2-core AVX512-BF16/AMX CPU (benchmarks/train_throughput.py): bfloat16 autocast
 # made a 128-wide model slower and a 384-wide one about 2x faster, so "auto" switches at this width.
 CPU_BF16_MIN_WIDTH = 256
@@ -31,9 +33,11 @@ def resolve_device(name: str) -> torch.device:
     except RuntimeError as err:
         raise ValueError(f"device={name!r} is not a device name (try cpu, cuda, cuda:0, mps, auto)") from err
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} was asked for but CUDA is not available: use --device cpu")
+        raise SettingError(f"device={name!r} was asked for but CUDA is not available: use {{d}} cpu",
+                           d="device")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device={name!r} was asked for but MPS is not available: use --device cpu")
+        raise SettingError(f"device={name!r} was asked for but MPS is not available: use {{d}} cpu",
+                           d="device")
     return device
 
 

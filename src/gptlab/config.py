@@ -2,7 +2,8 @@
 
 Every config can be turned into a plain dict (saved as JSON beside each checkpoint) and built back
 from one; an unknown key, a value of the wrong type or an impossible combination raises a
-ValueError naming the field, the bad value and what to do instead.
+ValueError naming the field, the bad value and what to do instead. `parameter_count` sizes a model
+from its config alone, by the handout's arithmetic, without building it (and without torch).
 
 Glossary (the handout's letters beside our field names): L = n_layer, H = n_head, D = n_embd,
 T_max = block_size, Vocab = vocab_size, d_h = D / H (the head size, "hs" in shape comments).
@@ -255,6 +256,34 @@ class ModelConfig(Config):
         return int(self.ffn_mult * self.n_embd + 1e-6)
 
 
+def parameter_count(config: ModelConfig) -> dict[str, int]:
+    """Parameters per component, by the handout's arithmetic (§4: 3D^2 + D^2 per attention; §6)."""
+    D, F_, V, L = config.n_embd, config.ffn_hidden, config.vocab_size, config.n_layer
+    bias = int(config.bias)
+    norm = {"layernorm": D + bias * D, "rmsnorm": D, "none": 0}[config.norm]
+    norms_per_block = 1 if config.ffn == "none" else 2
+    qk_norms = 2 * config.head_size if config.qk_norm else 0  # one gain (hs,) for queries, one for keys
+    qkv = D + 2 * config.kv_heads * config.head_size  # widths of Q, K and V: 3D unless heads are grouped
+    attention = D * qkv + D * D + int(config.attn_bias) * qkv + bias * D  # W_QKV and W_O
+    if config.ffn == "swiglu":
+        ffn = 3 * D * F_ + bias * (2 * F_ + D)
+    elif config.ffn == "none":  # attention-only: no FFN, and so no norm before it
+        ffn = 0
+    else:
+        ffn = 2 * D * F_ + bias * (F_ + D)
+    counts = {
+        "token embedding": V * D,
+        "positions": config.block_size * D if config.positions == "learned" else 0,
+        "attention": L * attention,
+        "feed-forward": L * ffn,
+        "norms": L * (norms_per_block * norm + qk_norms) + (norm if config.arrangement == "pre" else 0),
+        "skip weights": L // 2 if config.unet else 0,
+        "vocabulary head": 0 if config.tied else V * D,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
 PRECISIONS = ("auto", "float32", "bfloat16")
 MUON_PRECISIONS = ("auto", "bfloat16", "float32")
 PARALLEL = ("ddp", "fsdp")
@@ -262,6 +291,8 @@ CHECKPOINT_FORMATS = ("auto", "file", "sharded")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "trapezoid")
 LOGS = ("tensorboard", "wandb")
+CORPORA = ("shakespeare", "python-stdlib", "repeats")  # built-in texts (data.corpora), besides files
+DETECTORS = ("previous_token", "duplicate_token", "induction", "first_token")  # inspection.detectors
 
 
 @dataclass
@@ -398,6 +429,8 @@ class Seq2SeqConfig(ModelConfig):
 
 
 TASKS = ("reverse", "sort", "add")
+DTYPES = ("float32", "bfloat16")  # the precisions a trained model's weights can be held in for inference
+QUANTIZATIONS = ("none", "int8")  # weight-only quantisations for inference (gptlab.quantize)
 
 
 @dataclass

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from filelock import lock_descriptor, unlock_descriptor
 
+from gptlab.config import SettingError
+
 
 def fsync(path: Path) -> None:
     """Flush a file's contents to the disk, and a folder's entries (so a rename in it lasts) where the
@@ -71,8 +73,9 @@ class RunLock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
         try:
             if not lock_descriptor(fd, blocking=False):
-                raise ValueError(f"{self.run_dir} is in use by another gptlab process (pid "
-                                 f"{self._holder(fd)}): wait for it to finish, or choose another --out")
+                raise SettingError(f"{self.run_dir} is in use by another gptlab process (pid "
+                                   f"{self._holder(fd)}): wait for it to finish, or choose another {{out}}",
+                                   out="run_dir")
             os.ftruncate(fd, 0)
             os.write(fd, f"{' ' * self.PID_AT}{os.getpid()}\n".encode())
         except BaseException:

@@ -1,9 +1,9 @@
 """The decoder-only Transformer of handout #11, in one file, read top to bottom.
 
-Small parts first (attention maths §2-§3, positions §6, norms and feed-forward §5), then multi-head
-attention with a fused QKV projection (§4), the block (§5.1), and the language model with its
-vocabulary head and teacher-forcing loss (§6-§7). Module names follow GPT-2's checkpoint
-(`transformer.h.0.attn.c_attn`, ...) so that weight conversion is mostly the identity.
+Small parts first (attention maths §2-§3, norms and feed-forward §5; the position schemes of §6 are in
+`gptlab.positions`), then multi-head attention with a fused QKV projection (§4), the block (§5.1), and
+the language model with its vocabulary head and teacher-forcing loss (§6-§7). Module names follow
+GPT-2's checkpoint (`transformer.h.0.attn.c_attn`, ...) so that weight conversion is mostly the identity.
 
 Shape legend: B batch, T sequence length, D model width (n_embd), H heads, hs head size (D // H),
 F feed-forward width, V vocabulary size.
@@ -12,7 +12,6 @@ Deliberate choices:
 - Dropout acts on the embeddings and on each residual update, never on attention weights, so the
   `naive` and `sdpa` kernels compute the same function.
 - GELU is the tanh approximation, as in GPT-2, so GPT-2 weights give GPT-2's logits.
-- RoPE rotates the feature pairs (i, i + hs/2) of each head (the "rotate half" layout).
 - Post-norm models end with the last block's norm, so they have no extra final norm.
 - Position schemes take explicit positions (default 0..T-1), so generation can continue a sequence
   from a KV cache (§7.1, handout #12, `gptlab.kv_cache`) at any offset; the cache supplies the mask.
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptlab.config import ModelConfig
+from gptlab.positions import POSITIONS
 
 if TYPE_CHECKING:
     from gptlab.kv_cache import KVCache
@@ -114,95 +114,6 @@ def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.T
 
 
 KERNELS: dict[str, Kernel] = {"naive": naive_kernel, "sdpa": sdpa_kernel}
-
-# ---------------------------------------------------------------------------------------------
-# §6: position information. Absolute schemes map token rows (B, T, D) and their positions (B or 1, T)
-# to input rows X = E[w] + p; RoPE instead turns each head's queries and keys (B, H, T, hs).
-
-
-class LearnedPositions(nn.Embedding):
-    """A trainable row p_i per position: block_size * D parameters (§6.1)."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config.block_size, config.n_embd)
-
-    # The position scheme's forward(x, positions), not nn.Embedding's forward(input): rows are added to x.
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return x + super().forward(positions)  # rows p_i, (B or 1, T, D); (B, T, D) -> (B, T, D)
-
-
-class SinusoidalPositions(nn.Module):
-    """Fixed rows: even features sin(i w_k), odd features cos(i w_k), w_k = base^(-2k/D); no parameters.
-
-    Rows are computed for any position, since a sliding-window generation goes past block_size.
-    """
-
-    freqs: torch.Tensor  # a buffer
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        d = self.n_embd = config.n_embd
-        self.block_size = config.block_size
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float32) / d)
-        self.register_buffer("freqs", freqs, persistent=False)  # (ceil(D/2),), derived, so not saved
-
-    def rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rows p_i of positions (..., T) -> (..., T, D)."""
-        angles = positions.unsqueeze(-1).float() * self.freqs.float()  # (..., T, ceil(D/2))
-        rows = angles.new_zeros(*positions.shape, self.n_embd)
-        rows[..., 0::2] = angles.sin()
-        rows[..., 1::2] = angles[..., : self.n_embd // 2].cos()  # (..., T, floor(D/2))
-        return rows.to(self.freqs.dtype)  # angles in float32, rows in the model's dtype
-
-    @property
-    def table(self) -> torch.Tensor:
-        """The handout's table: rows of positions 0 .. block_size - 1, (T_max, D)."""
-        return self.rows(torch.arange(self.block_size, device=self.freqs.device))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, D)
-        return x + self.rows(positions)
-
-
-class Rotary(nn.Module):
-    """RoPE: rotate each query/key feature pair (i, i + hs/2) by an angle proportional to position."""
-
-    inv_freq: torch.Tensor  # a buffer
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        hs = config.head_size
-        inv_freq = config.rope_base ** (-torch.arange(0, hs, 2, dtype=torch.float32) / hs)  # (hs/2,)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # derived, so not saved
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate queries or keys (B, H, T, hs) at positions (B or 1, T), by default 0 .. T-1."""
-        if positions is None:
-            positions = torch.arange(x.size(-2), device=x.device).unsqueeze(0)  # (1, T)
-        angles = positions.unsqueeze(-1).float() * self.inv_freq.float()  # (B or 1, T, hs/2), in float32
-        angles = angles.unsqueeze(1)  # (B or 1, 1, T, hs/2): the same for every head
-        dtype = torch.result_type(x, self.inv_freq)  # float32 under autocast, else the model's dtype
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        x1, x2 = x.chunk(2, dim=-1)  # 2 x (B, H, T, hs/2)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-class NoPositions(nn.Module):
-    """No position information: the input rows of `none` and `rope`, and the queries/keys of all but rope."""
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        return x
-
-
-# Each scheme is chosen once, here: (what is added to the input rows, what turns queries and keys).
-POSITIONS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
-    "learned": (LearnedPositions, NoPositions),
-    "sinusoidal": (SinusoidalPositions, NoPositions),
-    "rope": (NoPositions, Rotary),
-    "none": (NoPositions, NoPositions),
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,30 +430,3 @@ def init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear) and module.bias is not None:
         nn.init.zeros_(module.bias)
 
-
-def parameter_count(config: ModelConfig) -> dict[str, int]:
-    """Parameters per component, by the handout's arithmetic (§4: 3D^2 + D^2 per attention; §6)."""
-    D, F_, V, L = config.n_embd, config.ffn_hidden, config.vocab_size, config.n_layer
-    bias = int(config.bias)
-    norm = {"layernorm": D + bias * D, "rmsnorm": D, "none": 0}[config.norm]
-    norms_per_block = 1 if config.ffn == "none" else 2
-    qk_norms = 2 * config.head_size if config.qk_norm else 0  # one gain (hs,) for queries, one for keys
-    qkv = D + 2 * config.kv_heads * config.head_size  # widths of Q, K and V: 3D unless heads are grouped
-    attention = D * qkv + D * D + int(config.attn_bias) * qkv + bias * D  # W_QKV and W_O
-    if config.ffn == "swiglu":
-        ffn = 3 * D * F_ + bias * (2 * F_ + D)
-    elif config.ffn == "none":  # attention-only: no FFN, and so no norm before it
-        ffn = 0
-    else:
-        ffn = 2 * D * F_ + bias * (F_ + D)
-    counts = {
-        "token embedding": V * D,
-        "positions": config.block_size * D if config.positions == "learned" else 0,
-        "attention": L * attention,
-        "feed-forward": L * ffn,
-        "norms": L * (norms_per_block * norm + qk_norms) + (norm if config.arrangement == "pre" else 0),
-        "skip weights": L // 2 if config.unet else 0,
-        "vocabulary head": 0 if config.tied else V * D,
-    }
-    counts["total"] = sum(counts.values())
-    return counts

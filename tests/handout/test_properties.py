@@ -1,6 +1,6 @@
-"""Tests for gptlab.handout.properties: the comparisons report both values and never pass a NaN or a shape mismatch,
-and the property functions shared by `lab` and `verify` tell a holding property from a broken one on
-inputs small enough to work out by hand."""
+"""Tests for gptlab.handout.properties: the comparisons report both values and never pass a NaN or a shape
+mismatch, and the property functions shared by `lab` and `verify` tell a holding property from a broken one
+on inputs small enough to work out by hand."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.handout.verify import verify_model
-from gptlab.model import GPT, SinusoidalPositions
+from gptlab.model import GPT
+from gptlab.positions import SinusoidalPositions
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -39,7 +39,7 @@ def test_attention_maps_are_the_models_weights_and_predictions(trained_run: Path
     x = model.transformer.h[1].ln_1(model.transformer.h[0](model.embed(idx)))  # layer 1's attention input
     assert_close(maps.weights[0, 0], written_out_attention(model, 1, x)[1][0, 0])
     assert_close(maps.probs, F.softmax(model(idx)[0][0], dim=-1))
-    with pytest.raises(ValueError, match=r"--head 2 does not exist: the model has 2, numbered 0\.\.1"):
+    with pytest.raises(ValueError, match=r"^head 2 does not exist: the model has 2, numbered 0\.\.1"):
         attention_maps(model, tokenizer, PROMPT, ids, head=2)
 
 

@@ -188,7 +188,7 @@ def test_patching_traces_the_hand_wired_induction_path() -> None:
 
 
 def test_patching_refuses_prompts_of_different_lengths(random_gpt: Any) -> None:
-    with pytest.raises(ValueError, match="--clean is 3 tokens but --corrupt is 2"):
+    with pytest.raises(ValueError, match="clean is 3 tokens but corrupt is 2"):
         patch_activations(random_gpt(0), [1, 2, 3], [1, 2])
 
 
@@ -292,7 +292,8 @@ def test_track_heads_writes_scores_at_every_evaluation(tmp_path: Path, capsys: p
 def test_resume_with_track_heads_is_exact(tmp_path: Path) -> None:
     from gptlab.checkpoint import LAST, load_checkpoint
     from gptlab.data.prepare import prepare
-    from gptlab.training.loop import resume, train
+    from gptlab.training.loop import train
+    from gptlab.training.resume import resume
 
     (tmp_path / "text.txt").write_text("the cat sat on the mat.\n" * 80, encoding="utf-8")
     prepare(str(tmp_path / "text.txt"), tmp_path / "data", tokenizer="char", progress=False)

@@ -118,11 +118,11 @@ def test_edit_tokens_replaces_and_drops_by_position() -> None:
     assert edit_tokens([10, 11, 12, 13], replace=[(1, 99), (-1, 98)], drop=[0]) == [99, 12, 98]
     assert edit_tokens([10, 11, 12, 13], drop=[-2, 1]) == [10, 13]
     for replace, drop, message in (
-        ([(4, 1)], [], r"--replace position 4 is outside the prompt's 4 tokens: use 0\.\.3, or -4\.\.-1"),
-        ([], [-5], "--drop position -5 is outside"),
-        ([(1, 5), (-3, 6)], [], "--replace names position 1 twice"),
+        ([(4, 1)], [], r"^replace position 4 is outside the prompt's 4 tokens: use 0\.\.3, or -4\.\.-1"),
+        ([], [-5], "^drop position -5 is outside"),
+        ([(1, 5), (-3, 6)], [], "^replace names position 1 twice"),
         ([(2, 5)], [-2], "position 2 is both replaced and dropped"),
-        ([], [0, 1, 2, 3], "removes every token"),
+        ([], [0, 1, 2, 3], "^drop removes every token"),
     ):
         with pytest.raises(ValueError, match=message):
             edit_tokens([10, 11, 12, 13], replace, drop)

@@ -14,6 +14,7 @@ import torch
 
 from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
+from gptlab.config import SettingError
 from gptlab.model import GPT
 from gptlab.text.tokenizer import ByteTokenizer, CharTokenizer, ImportedTokenizer, Tokenizer, train_tokenizer
 
@@ -195,9 +196,11 @@ def test_byte_tokenizer_exports_as_bpe_without_merges(make_run: Any, tmp_path: P
 def test_what_llama_cpp_cannot_compute_is_refused(changes: dict[str, Any], message: str, bpe: Tokenizer,
                                                   make_run: Any, tmp_path: Path) -> None:
     run, _ = make_run(bpe, **changes)
-    with pytest.raises(ValueError, match="llama.cpp cannot run this model as gptlab does") as err:
+    with pytest.raises(SettingError, match="llama.cpp cannot run this model as gptlab does") as err:
         export_gguf(run, tmp_path / "m.gguf")
-    assert message in str(err.value) and "\n" not in str(err.value)
+    # The command line reads each setting as its option; a Python caller reads ModelConfig's fields.
+    assert message in err.value.as_flags({}) and "\n" not in str(err.value)
+    assert "--" not in str(err.value) and "ModelConfig." in str(err.value)
     assert not (tmp_path / "m.gguf").exists()
 
 

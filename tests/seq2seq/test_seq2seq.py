@@ -22,7 +22,8 @@ from gptlab.kv_cache import KVCache
 from gptlab.model import Block, CausalSelfAttention
 from gptlab.seq2seq import tasks
 from gptlab.seq2seq.model import DecoderBlock, EncoderDecoder, decode_answers
-from gptlab.training.loop import resume, train_seq2seq
+from gptlab.training.loop import train_seq2seq
+from gptlab.training.resume import resume
 
 VOCAB = tasks.vocabulary()
 OPTIONS = list(itertools.product(("learned", "sinusoidal", "rope", "none"), ("pre", "post"),
@@ -325,7 +326,7 @@ def test_verify_passes_on_the_trained_model_and_fails_on_broken_ones(reverse_run
 
 
 def test_fsdp_is_refused_for_seq2seq(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="use --parallel ddp"):
+    with pytest.raises(ValueError, match="use TrainConfig.parallel ddp"):
         train_seq2seq(tmp_path / "run", FAST_TASK, FAST_MODEL, FAST_TRAIN.replace(parallel="fsdp"))
 
 

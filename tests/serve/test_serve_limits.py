@@ -134,15 +134,15 @@ def test_the_memory_plan_fits_the_reference_model_and_says_what_to_lower() -> No
     with pytest.raises(ValueError) as refused:
         plan_memory(SMOLLM2, torch.float32, weights, free, max_batch=64)
     message = str(refused.value)
-    assert "\n" not in message and "--max-batch to" in message and "--max-context to" in message
-    rows = int(message.split("--max-batch to ")[1].split()[0])
-    tokens = int(message.split("--max-context to ")[1].split()[0].rstrip(":,"))
+    assert "\n" not in message and "max_batch to" in message and "max_context to" in message
+    rows = int(message.split("max_batch to ")[1].split()[0])
+    tokens = int(message.split("max_context to ")[1].split()[0].rstrip(":,"))
     for batch, context in ((rows, 8192), (64, tokens)):  # each advice fits, one more does not
         assert plan_memory(SMOLLM2, torch.float32, weights, free, batch, context).max_batch == batch
     with pytest.raises(ValueError):
         plan_memory(SMOLLM2, torch.float32, weights, free, rows + 1, 8192)
     with pytest.raises(ValueError):
         plan_memory(SMOLLM2, torch.float32, weights, free, 64, tokens + 1)
-    with pytest.raises(ValueError, match="--max-context to"):  # not even one row of 8192 fits in 1 GB
+    with pytest.raises(ValueError, match="max_context to"):  # not even one row of 8192 fits in 1 GB
         plan_memory(SMOLLM2, torch.float32, weights, 1_000_000_000)
     assert plan_memory(SMOLLM2, torch.float32, weights, None).max_batch == 64  # unknown memory: no check

@@ -225,7 +225,7 @@ def test_gpt2_round_trip() -> None:
 
 def test_gpt2_without_tiktoken_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "tiktoken", None)  # makes `import tiktoken` fail
-    with pytest.raises(ValueError, match=r"pip install tiktoken.*--tokenizer bpe"):
+    with pytest.raises(ValueError, match=r"pip install tiktoken.*use tokenizer bpe"):
         train_tokenizer("gpt2", "")
 
 
@@ -234,5 +234,5 @@ def test_gpt2_without_its_files_says_how_to_get_them(monkeypatch: pytest.MonkeyP
         raise ConnectionError("no network")
 
     monkeypatch.setitem(sys.modules, "tiktoken", types.SimpleNamespace(get_encoding=offline))
-    with pytest.raises(ValueError, match=r"ConnectionError.*TIKTOKEN_CACHE_DIR.*--tokenizer bpe"):
+    with pytest.raises(ValueError, match=r"ConnectionError.*TIKTOKEN_CACHE_DIR.*use tokenizer bpe"):
         tokenizer_from_dict({"kind": "gpt2"})

@@ -19,7 +19,7 @@ from torch.testing import assert_close
 from conftest import assert_identical_runs
 from gptlab.checkpoint import LAST, load_checkpoint
 from gptlab.data.prepare import prepare
-from gptlab.training.loop import resume
+from gptlab.training.resume import resume
 
 pytestmark = pytest.mark.slow  # each test starts two Python processes that import torch
 

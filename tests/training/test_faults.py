@@ -30,8 +30,9 @@ from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data.prepare import prepare
 from gptlab.files import RunLock, atomic_write_text
-from gptlab.training.loop import StepResult, Trainer, resume, train
+from gptlab.training.loop import StepResult, Trainer, train
 from gptlab.training.optim import learning_rate
+from gptlab.training.resume import resume
 
 MODEL = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
 TRAIN = TrainConfig(batch_size=4, max_steps=6, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_interval=3,
@@ -192,7 +193,7 @@ def test_resume_with_more_steps_extends_a_finished_run_exactly(data_dir: Path, t
     assert (config.max_steps, config.decay_steps) == (10, 6)
     assert [learning_rate(s, config) for s in (6, 9)] == [TRAIN.min_lr] * 2
     assert json.loads((tmp_path / "short" / "config.json").read_text())["train"]["max_steps"] == 10
-    with pytest.raises(ValueError, match="the run is at step 10: --max-steps must be larger"):
+    with pytest.raises(ValueError, match="the run is at step 10: TrainConfig.max_steps must be larger"):
         resume(tmp_path / "short", progress=False, changes={"max_steps": 8})
 
 

@@ -22,7 +22,7 @@ from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.data.prepare import prepare
 from gptlab.generate import generate
 from gptlab.model import GPT
-from gptlab.training.loop import TrainingDiverged, resume, train
+from gptlab.training.loop import TrainingDiverged, train
 from gptlab.training.optim import (
     BatchedMuon,
     hidden_matrices,
@@ -31,6 +31,7 @@ from gptlab.training.optim import (
     set_learning_rate,
 )
 from gptlab.training.presets import resolve_configs
+from gptlab.training.resume import resume
 
 MODEL = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1)
 TRAIN = TrainConfig(batch_size=8, max_steps=40, lr=3e-3, min_lr=3e-4, warmup_steps=5, eval_interval=10,
@@ -212,7 +213,8 @@ def test_nan_loss_stops_with_a_clear_message(data_dir: Path, tmp_path: Path,
 
 def test_an_existing_run_is_never_overwritten(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=2), progress=False)
-    with pytest.raises(ValueError, match="already holds a run: continue it with --resume"):
+    with pytest.raises(ValueError, match="already holds a run: continue it with resume, or choose another "
+                       "run_dir"):
         train(tmp_path / "run", data_dir, MODEL, TRAIN, progress=False)
 
 

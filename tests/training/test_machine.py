@@ -1,5 +1,5 @@
-"""Start-up decisions (gptlab.training.machine): the precision probe, its record in config.json and compare.json,
-and that a resumed run never measures again."""
+"""Start-up decisions (gptlab.training.machine): the precision probe, its record in config.json and
+compare.json, and that a resumed run never measures again."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from gptlab.experiments import compare as compare_module
 from gptlab.experiments.compare import compare
 from gptlab.experiments.grid import RunOptions
 from gptlab.training import machine
-from gptlab.training.loop import resume, train
+from gptlab.training.loop import train
 from gptlab.training.machine import Decision, decide_muon_precision, decide_precision, decide_threads
 from gptlab.training.optim import orthogonalise
 from gptlab.training.presets import resolve_configs
+from gptlab.training.resume import resume
 
 CPU = torch.device("cpu")
 SMALL = ModelConfig(vocab_size=20, n_layer=1, n_head=2, n_embd=16, block_size=16)

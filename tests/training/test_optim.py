@@ -17,9 +17,10 @@ from gptlab.checkpoint import LAST, load_checkpoint
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.model import GPT
 from gptlab.training.curriculum import batch_size_at, block_size_at
-from gptlab.training.loop import resume, train
+from gptlab.training.loop import train
 from gptlab.training.optim import hidden_matrices, learning_rate, make_optimizer
 from gptlab.training.presets import resolve_configs
+from gptlab.training.resume import resume
 
 # The tiny preset, 20 steps, evaluated twice: every option on, in one run.
 TINY_MODEL, TINY_TRAIN = resolve_configs("tiny", train_overrides=dict(

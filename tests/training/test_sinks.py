@@ -21,8 +21,9 @@ from gptlab.data.prepare import prepare
 from gptlab.data.tokens import TokenData
 from gptlab.model import GPT
 from gptlab.training.logs import plot_losses, smoothed
-from gptlab.training.loop import Trainer, resume, train
+from gptlab.training.loop import Trainer, train
 from gptlab.training.optim import learning_rate
+from gptlab.training.resume import resume
 
 MODEL = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16)
 TRAIN = TrainConfig(batch_size=4, max_steps=6, lr=3e-3, min_lr=3e-4, warmup_steps=2, eval_interval=3,

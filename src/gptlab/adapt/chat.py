@@ -1,6 +1,7 @@
 """Teaching a model to chat: a Hugging Face folder's chat template, the native template's markers added
 to a tokenizer (`tokenizer_with_tokens`) and to the model's embeddings (`grow_embeddings`), and where
-a conversation's tokenizer and template come from (`chat_source`). The templates are `gptlab.text.chat_template`.
+a conversation's tokenizer and template come from (`chat_source`). The templates are
+`gptlab.text.chat_template`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 import torch
 
+from gptlab.config import SettingError
 from gptlab.interop import hf_folder
 from gptlab.model import GPT
 from gptlab.text.chat_template import (
@@ -51,9 +53,10 @@ def tokenizer_with_tokens(tokenizer: Tokenizer, tokens: Sequence[str]) -> Tokeni
 
         saved = {"kind": "bpe", "json": hf_tokenizer_json(saved)}
     if saved["kind"] not in ("bpe", ImportedTokenizer.kind):
-        raise ValueError(f"the {saved['kind']} tokenizer cannot take new tokens such as {tokens[0]!r} (its "
-                         "ids are single characters or bytes): fine-tune a run trained with --tokenizer bpe, "
-                         'or use {"text"} or {"prompt", "completion"} examples, which need no chat template')
+        raise SettingError(f"the {saved['kind']} tokenizer cannot take new tokens such as {tokens[0]!r} (its "
+                           "ids are single characters or bytes): fine-tune a run trained with {t} bpe, or "
+                           'use {"text"} or {"prompt", "completion"} examples, which need no chat template',
+                           t="tokenizer")
     hf = HFTokenizer.from_str(saved["json"])
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
     return tokenizer_from_dict({**saved, "json": hf.to_str()})

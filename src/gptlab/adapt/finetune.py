@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,8 @@ import torch
 from torch import nn
 
 from gptlab.adapt.chat import add_chat_tokens
-from gptlab.adapt.sft import LOSS_ON, TOO_LONG, Example, collate, load_examples, read_records
+from gptlab.adapt.options import SFTConfig
+from gptlab.adapt.sft import Example, collate, load_examples, read_records
 from gptlab.checkpoint import (
     ADAPTER,
     BEST,
@@ -42,52 +42,24 @@ from gptlab.checkpoint import (
     save_checkpoint,
 )
 from gptlab.common import seed_everything
-from gptlab.config import Config, TrainConfig, check_choice, flag, option
+from gptlab.config import SettingError, TrainConfig
 from gptlab.lora import LoraConfig, add_lora, merge_lora, trainable_parameters
 from gptlab.model import GPT
 from gptlab.text.chat_template import ChatTemplate, missing_tokens, template_from_state
 from gptlab.text.tokenizer import Tokenizer
 from gptlab.training import distributed
-from gptlab.training.loop import (
-    Trainer,
-    TrainResult,
-    change,
-    check_resumable,
+from gptlab.training.loop import Trainer, TrainResult
+from gptlab.training.presets import config_layers
+from gptlab.training.resume import change, check_resumable, extended, refuse_changes, resume_changes
+from gptlab.training.runs import (
+    check_settings,
     decide_for_machine,
-    extended,
-    refuse_changes,
-    resume_changes,
     run_folder,
     saved_machine,
     write_run_config,
 )
-from gptlab.training.presets import config_layers
 
-# Training settings of a fine-tuning run where the user gives none: shorter and gentler than pre-training.
-DEFAULTS = dict(batch_size=8, max_steps=300, lr=3e-4, warmup_steps=20, eval_interval=50, eval_batches=4)
-LORA_LR = 1e-3  # adapters start at zero and are few: they take a larger step than full fine-tuning
 KEPT = ("base", "chat_template", "generation", ADAPTER)  # the state keys a run keeps (module docstring)
-
-
-@dataclass
-class SFTConfig(Config):
-    """The options that decide which examples a fine-tuning run sees; --resume must repeat them."""
-
-    data: str = option("", "the JSONL file of examples")
-    loss_on: str = option("completion", "completion: train completions and assistant turns only; all: "
-                          "every token", LOSS_ON)
-    too_long: str = option("skip", "an example longer than the context is skipped or cut to fit", TOO_LONG)
-    val_fraction: float = option(0.1, "share of the examples held out for validation (at least one)")
-    patience: int = option(0, "stop after this many evaluations without a better validation loss (0: off)")
-
-    def validate(self) -> None:
-        owner = "SFTConfig"
-        check_choice(owner, "loss_on", self.loss_on, LOSS_ON)
-        check_choice(owner, "too_long", self.too_long, TOO_LONG)
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ValueError(f"{owner}.val_fraction={self.val_fraction} must be between 0 and 1")
-        if self.patience < 0:
-            raise ValueError(f"{owner}.patience={self.patience} must not be negative")
 
 
 def file_digest(path: str | Path) -> str:
@@ -184,9 +156,10 @@ def prepare_model(start: Checkpoint, data_path: str | Path, lora: LoraConfig | N
     shape, _ = read_records(data_path)
     if shape == "messages" and missing_tokens(tokenizer, template):
         if lora is not None:
-            raise ValueError(f"the chat template's markers {', '.join(missing_tokens(tokenizer, template))} "
-                             "are not in the base's vocabulary, and --lora keeps the embedding frozen: "
-                             "fine-tune without --lora, or use prompt/completion examples")
+            markers = ", ".join(missing_tokens(tokenizer, template))
+            raise SettingError(f"the chat template's markers {markers} are not in the base's vocabulary, and "
+                               "{lora} keeps the embedding frozen: fine-tune without {lora}, or use "
+                               "prompt/completion examples", lora="lora")
         missing = missing_tokens(tokenizer, template)
         model, tokenizer = add_chat_tokens(model, tokenizer, template)
         notes.append(f"added {', '.join(missing)} to the tokenizer as new ids, their embedding rows the "
@@ -217,6 +190,7 @@ def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config:
         train_config, machine_record = decide_for_machine(model.config, train_config, dist, device)
         if dist.is_main:
             write_run_config(out, model.config, train_config, data, machine_record)
+        check_settings(model.config, train_config, dist.world_size)
         trainer = Trainer(out, data, model.config, train_config, dist, device, progress=progress,
                           model=model, patience=config.patience)
         return trainer.run(stop_at), data, notes
@@ -236,13 +210,13 @@ def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_
             raise ValueError(f"{out} is not a fine-tuning run: continue it with gptlab train --resume")
         saved = SFTConfig.from_dict({k: v for k, v in state["sft"].items() if k != "sha256"})
         config = config.replace(data=str(Path(config.data).resolve()))
-        refused = [change(flag(name), name, old, getattr(config, name))
+        refused = [change(f"SFTConfig.{name}", name, old, getattr(config, name))
                    for name, old in saved.to_dict().items() if getattr(config, name) != old]
         if str(resolve_checkpoint(base).resolve()) != state["base"]:
-            refused.append(change("BASE", "base", state["base"], base))
+            refused.append(change("base", "base", state["base"], base))
         saved_lora = state[ADAPTER]["config"] if ADAPTER in state else None
         if (lora.to_dict() if lora else None) != saved_lora:
-            refused.append(change("--lora", "lora", saved_lora, lora.to_dict() if lora else None))
+            refused.append(change("lora", "lora", saved_lora, lora.to_dict() if lora else None))
         changes, train_refused = resume_changes(checkpoint, config_layers(train_overrides=train_overrides))
         refuse_changes(refused + train_refused)
         if file_digest(saved.data) != state["sft"]["sha256"]:
@@ -256,6 +230,7 @@ def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_
         with distributed.session(train_config.device) as (dist, device):
             if train_config != checkpoint.train_config and dist.is_main:
                 write_run_config(out, checkpoint.model_config, train_config, data, saved_machine(out))
+            check_settings(checkpoint.model_config, train_config, dist.world_size)
             trainer = Trainer(out, data, checkpoint.model_config, train_config, dist, device, checkpoint,
                               progress, model=model, patience=saved.patience)
             return trainer.run(stop_at), data, []

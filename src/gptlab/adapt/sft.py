@@ -28,12 +28,11 @@ from typing import Any
 
 import torch
 
+from gptlab.adapt.options import LOSS_ON, TOO_LONG
 from gptlab.text.chat_template import ROLES, ChatTemplate
 from gptlab.text.tokenizer import Tokenizer
 
 SHAPES = {"text": ("text",), "prompt-completion": ("prompt", "completion"), "messages": ("messages",)}
-LOSS_ON = ("completion", "all")
-TOO_LONG = ("skip", "truncate")
 
 
 @dataclass

@@ -9,7 +9,9 @@ from itertools import groupby
 from pathlib import Path
 from typing import Any
 
+from gptlab.adapt.options import DEFAULTS, LORA_LR, SFTConfig
 from gptlab.cli.common import add_config_arguments, add_run_options, config_overrides, report_run
+from gptlab.config import TrainConfig
 
 MARKS = {True: ("\x1b[1;32m", "\x1b[0m"), False: ("[[", "]]")}  # on a terminal: bold green; off one: brackets
 
@@ -62,9 +64,8 @@ def lora_config(args: argparse.Namespace) -> Any:
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune a run on JSONL examples (or continue doing so), then report the run."""
-    from gptlab.adapt.finetune import DEFAULTS, LORA_LR, SFTConfig, finetune, resume_finetune
+    from gptlab.adapt.finetune import finetune, resume_finetune
     from gptlab.checkpoint import LAST, has_checkpoint
-    from gptlab.config import TrainConfig
     from gptlab.training import distributed
 
     sft = SFTConfig(**config_overrides(args, SFTConfig))  # --data among them
@@ -137,9 +138,6 @@ def add_adapt_commands(sub: Any) -> None:
 
 def add_finetune_command(sub: Any) -> None:
     """The finetune command: a base run, a JSONL file, the data and LoRA options, and train's options."""
-    from gptlab.adapt.finetune import DEFAULTS, LORA_LR, SFTConfig
-    from gptlab.config import TrainConfig
-
     p = sub.add_parser(
         "finetune", help="fine-tune a run on JSONL examples (fully, or with LoRA adapters)",
         description="Train BASE (a gptlab run, or a Hugging Face model imported with import-hf) on a JSONL "

@@ -75,9 +75,8 @@ class Conversation:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Load the run and its template; answer each --message, or talk until /exit, Ctrl-D or Ctrl-C."""
-    from gptlab.checkpoint import generation_defaults, load_header, load_run
+    from gptlab.checkpoint import generation_defaults, load_for_inference, load_header
     from gptlab.common import resolve_device
-    from gptlab.quantize import inference_weights
     from gptlab.text.chat_template import template_from_state
 
     if args.json and not args.message:
@@ -85,8 +84,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **generation_defaults(args.run),
                                          **config_overrides(args, SamplingConfig)})
     template = template_from_state(load_header(args.run).state)
-    model, tokenizer = load_run(args.run, resolve_device(args.device))
-    model = inference_weights(model, args.dtype, args.quantize)
+    model, tokenizer = load_for_inference(args.run, resolve_device(args.device), args.dtype, args.quantize)
     conversation = Conversation(model, tokenizer, template, sampling, args.system)
     if args.message:
         for turn, message in enumerate(args.message, 1):

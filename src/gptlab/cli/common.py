@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import Config
+from gptlab.config import DTYPES, QUANTIZATIONS, Config
 
 
 class TqdmHandler(logging.Handler):
@@ -105,8 +105,6 @@ def add_device_option(parser: argparse.ArgumentParser) -> None:
 
 def add_weight_options(parser: argparse.ArgumentParser) -> None:
     """--dtype and --quantize for the commands that run a trained model (quantize.inference_weights)."""
-    from gptlab.quantize import DTYPES, QUANTIZATIONS
-
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="precision of the weights: bfloat16 halves the memory a step reads, and the "
                         "logits move a little (gptlab verify RUN --dtype bfloat16 measures it; default "

@@ -13,8 +13,9 @@ from gptlab.config import ModelConfig, TrainConfig
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Plan the grid (refusing a bad key or value), then print it (--dry-run) or train it and report."""
-    from gptlab.experiments.compare import compare, describe, jobs_and_threads, plan
-    from gptlab.experiments.grid import RunOptions, parse_seeds, parse_vary
+    from gptlab.experiments.compare import compare, describe, plan
+    from gptlab.experiments.grid import RunOptions
+    from gptlab.training.machine import share_cores
 
     options = RunOptions(preset=args.preset, config=args.config, data=args.data or "shakespeare",
                          tokenizer=args.tokenizer or "char", tokenizer_vocab_size=args.tokenizer_vocab_size,
@@ -22,7 +23,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     varies = [parse_vary(text) for text in args.vary]
     seeds = parse_seeds(args.seeds)
     if args.dry_run:
-        jobs, threads = jobs_and_threads(args.jobs)
+        jobs, threads = share_cores(args.jobs)
         for line in describe(plan(options, varies, seeds, args.out, args.baseline), jobs, threads):
             print(line)
         return 0
@@ -40,6 +41,29 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 1
     print(f"report: {result.out / 'report.md'} (and report.html, curves.png)")
     return 0
+
+
+def parse_vary(text: str) -> tuple[str, tuple[str, ...]]:
+    """`KEY=V1,V2` -> (key as a field name, the values); the key may be written as its flag."""
+    key, sep, values = text.partition("=")
+    key = key.strip().removeprefix("--").replace("-", "_")
+    items = tuple(v.strip() for v in values.split(","))
+    if not sep or not key or not all(items):
+        raise ValueError(f"--vary {text!r} must be KEY=V1,V2[,...], e.g. --vary positions=learned,rope")
+    if len(set(items)) != len(items):
+        raise ValueError(f"--vary {text!r} repeats a value: give each value once")
+    return key, items
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """`3` -> seeds 1, 2, 3; `1,5,9` -> those seeds."""
+    try:
+        seeds = tuple(int(s) for s in text.split(",")) if "," in text else tuple(range(1, int(text) + 1))
+    except ValueError:
+        raise ValueError(f"--seeds {text!r} must be a count (3: seeds 1, 2, 3) or a list (1,5,9)") from None
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(f"--seeds {text!r} must give at least one seed, each once and not negative")
+    return seeds
 
 
 def add_compare_command(sub: Any) -> None:

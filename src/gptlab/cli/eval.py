@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.common import (
-    add_device_option,
-    add_weight_options,
-)
+from gptlab.cli.common import add_device_option, add_weight_options
+from gptlab.config import CORPORA
 
 BENCHMARK_BATCH = 16  # requests per forward pass of `gptlab eval --tasks`
 
@@ -30,8 +28,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"{', '.join(given)} go with --tasks (benchmarks): add --tasks, e.g. "
                              "--tasks piqa")
-        print(evaluation_line(args.run, args.data, args.max_tokens, dtype=args.dtype,
-                              quantization=args.quantize, device=args.device))
+        from gptlab.evaluation.heldout import evaluation_line
+
+        print(evaluation_line(args.run, args.data, args.max_tokens, dtype=args.dtype, quantize=args.quantize,
+                              device=args.device))
         return 0
     print(benchmark_report(args))
     return 0
@@ -51,16 +51,14 @@ def benchmark_list() -> str:
 
 def benchmark_report(args: argparse.Namespace) -> str:
     """Score the --tasks on the run's model, write lm-eval's JSON layout to --output, and return a table."""
-    from gptlab.checkpoint import load_run
+    from gptlab.checkpoint import load_for_inference
     from gptlab.common import on_terminal, resolve_device
     from gptlab.evaluation.results import evaluate_benchmarks, lm_eval_layout, table
-    from gptlab.quantize import inference_weights
 
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not names:
         raise ValueError("--tasks is empty: name one or more tasks, e.g. --tasks hellaswag,piqa (see --list)")
-    model, tokenizer = load_run(args.run, resolve_device(args.device))
-    model = inference_weights(model, args.dtype, args.quantize)
+    model, tokenizer = load_for_inference(args.run, resolve_device(args.device), args.dtype, args.quantize)
     batch_size = args.batch_size or BENCHMARK_BATCH
     results, refused = evaluate_benchmarks(model, tokenizer, names, args.variant, args.shots, args.limit,
                                            batch_size, progress=on_terminal())
@@ -75,51 +73,8 @@ def benchmark_report(args: argparse.Namespace) -> str:
     return table(results) + note + "".join(f"\nrefused {line}" for line in refused)
 
 
-def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: str = "float32",
-                    quantization: str = "none", device: str = "cpu") -> str:
-    """Evaluate a run's best checkpoint on `data` (train, val, a prepared folder's val split, or any
-    text) on `device`, its weights held as `dtype` and `quantization` say (gptlab.quantize), and describe
-    the result."""
-    import dataclasses as dc
-
-    from gptlab.checkpoint import data_folder, inference_model, load_checkpoint
-    from gptlab.common import resolve_device
-    from gptlab.data.corpora import load_text
-    from gptlab.data.tokens import TokenData
-    from gptlab.evaluation.heldout import evaluate_tokens
-    from gptlab.quantize import inference_weights
-
-    checkpoint = load_checkpoint(run)
-    model = inference_weights(inference_model(checkpoint, run, resolve_device(device)), dtype, quantization)
-    tokenizer = checkpoint.load_tokenizer()
-    if data in ("train", "val") or (Path(data) / "meta.json").is_file():
-        own = data in ("train", "val")
-        folder = data_folder(Path(checkpoint.source).parent, checkpoint.state) if own else Path(data)
-        prepared = TokenData(folder)
-        if prepared.tokenizer.to_dict() != checkpoint.tokenizer:
-            raise ValueError(f"{folder} was prepared with another tokenizer than {run}'s: give its own "
-                             "prepared folder, or a text file")
-        split = data if own else "val"
-        tokens = prepared.split(split)
-        characters = len(tokens) if tokenizer.kind == "char" else None
-        name = f"{split} split"
-    else:
-        text = load_text(data)
-        tokens = tokenizer.encode_array(text)
-        characters = len(text)
-        name = data
-    result = evaluate_tokens(model, tokens, max_tokens=max_tokens)
-    if characters:  # scale to the characters actually scored
-        result = dc.replace(result, characters=round(characters * result.tokens / max(1, len(tokens) - 1)))
-    bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
-    return (f"{name}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.3f}{bpc} "
-            f"({result.tokens:,} tokens scored)")
-
-
 def add_eval_command(sub: Any) -> None:
     """The eval command."""
-    from gptlab.data.corpora import CORPORA
-
     source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint, or standard benchmarks",
                         description="Report the loss, perplexity and bits per character of a run's "

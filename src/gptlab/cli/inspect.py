@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.cli.common import add_device_option
-from gptlab.quantize import DTYPES
+from gptlab.config import DETECTORS, DTYPES
 
 
 def load_prompt(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
@@ -219,7 +219,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
     from gptlab.checkpoint import load_run
     from gptlab.common import resolve_device
     from gptlab.inspection.attention_view import check_index
-    from gptlab.inspection.detectors import DETECTORS, repeat_ablation, save_scores_png, score_heads
+    from gptlab.inspection.detectors import repeat_ablation, save_scores_png, score_heads
 
     if args.out is not None and Path(args.out).suffix.lower() != ".png":
         raise ValueError(f"--out {args.out} must end in .png: the heatmaps are written as a PNG picture")
@@ -281,18 +281,27 @@ def draw_history(args: argparse.Namespace) -> int:
 
 
 def add_inspect_commands(sub: Any) -> None:
-    """The attention / ablate / intervene / verify commands: look inside a trained model (handout §2.2)."""
+    """The attention / ablate / intervene / verify / lens / patch / heads commands: look inside a trained
+    model (handout §2.2)."""
+    for add in (add_attention_command, add_ablate_command, add_intervene_command, add_verify_command,
+                add_lens_command, add_patch_command, add_heads_command):
+        add(sub)
 
-    def command(name: str, help: str, description: str, prompt: bool = True) -> argparse.ArgumentParser:
-        parser = sub.add_parser(name, help=help, description=description)
-        parser.add_argument("run", help="run folder or checkpoint file (from gptlab train or import-hf)")
-        if prompt:
-            parser.add_argument("--prompt", required=True,
-                                help="the text to inspect; at most block_size tokens, never cropped")
-        add_device_option(parser)
-        return parser
 
-    at = command("attention", "draw a prompt's attention weights (PNG grid or HTML page)",
+def command(sub: Any, name: str, help: str, description: str, prompt: bool = True) -> argparse.ArgumentParser:
+    """An inspection command's parser: the run, --prompt (unless `prompt` is False) and --device."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.add_argument("run", help="run folder or checkpoint file (from gptlab train or import-hf)")
+    if prompt:
+        parser.add_argument("--prompt", required=True,
+                            help="the text to inspect; at most block_size tokens, never cropped")
+    add_device_option(parser)
+    return parser
+
+
+def add_attention_command(sub: Any) -> None:
+    """The attention command."""
+    at = command(sub, "attention", "draw a prompt's attention weights (PNG grid or HTML page)",
                  "Draw the attention weights of every head on a prompt: FILE.png is a grid of heatmaps "
                  "(layers down, heads across; rows are queries, columns keys, labelled with the tokens); "
                  "FILE.html is a self-contained page where you pick a layer and head and hover a token to "
@@ -305,7 +314,10 @@ def add_inspect_commands(sub: Any) -> None:
     at.add_argument("--head", type=int, help="draw only this head (default: all)")
     at.set_defaults(func=cmd_attention)
 
-    ab = command("ablate", "remove each head and measure the change in the next token's log-probability",
+
+def add_ablate_command(sub: Any) -> None:
+    """The ablate command."""
+    ab = command(sub, "ablate", "remove each head and measure the change in the next token's log-probability",
                  "For every head, remove it and report the change in log p(target) after the prompt's "
                  "last token: zero ablation sets the head's output (its slice of W_O's input) to zero; "
                  "mean ablation sets it to its mean over the prompt's positions. Prints a sorted table and "
@@ -318,7 +330,10 @@ def add_inspect_commands(sub: Any) -> None:
                     help="the heatmap to write (default ablation.png)")
     ab.set_defaults(func=cmd_ablate)
 
-    iv = command("intervene", "replace or drop prompt tokens and compare the prediction",
+
+def add_intervene_command(sub: Any) -> None:
+    """The intervene command."""
+    iv = command(sub, "intervene", "replace or drop prompt tokens and compare the prediction",
                  "Replace or drop tokens of the prompt and print the next-token probabilities after its "
                  "last token before and after: the handout's test of a causal claim (§2.2). Positions are "
                  "token indices from 0; negative ones count from the end (write --replace=-1=x).")
@@ -330,7 +345,10 @@ def add_inspect_commands(sub: Any) -> None:
                     help="how many of the likeliest tokens to show, before and after (default 5)")
     iv.set_defaults(func=cmd_intervene)
 
-    ve = command("verify", "measure the handout's properties on a trained model", "Run the handout's "
+
+def add_verify_command(sub: Any) -> None:
+    """The verify command."""
+    ve = command(sub, "verify", "measure the handout's properties on a trained model", "Run the handout's "
                  "properties on the model and print each one's measured deviation: attention rows sum to "
                  "one (§3.2); logits at i ignore every later input, exactly (§7.3); cached = uncached "
                  "generation (§7.1); fused = separate projections (§4.2); a tied head is one tensor (§6); "
@@ -348,7 +366,10 @@ def add_inspect_commands(sub: Any) -> None:
                     "float32, and tolerances follow the dtype's epsilon (default float32)")
     ve.set_defaults(func=cmd_verify)
 
-    le = command("lens", "read each block's residual stream through the head (the logit lens)",
+
+def add_lens_command(sub: Any) -> None:
+    """The lens command."""
+    le = command(sub, "lens", "read each block's residual stream through the head (the logit lens)",
                  "At the input rows and after every block, read the residual stream through the final "
                  "norm and the vocabulary head: per position, that stage's top predictions and the "
                  "probability of the token that actually comes next. Prints a table and writes a stages x "
@@ -360,7 +381,10 @@ def add_inspect_commands(sub: Any) -> None:
                     "position instead of the table (negative counts from the end)")
     le.set_defaults(func=cmd_lens)
 
-    pa = command("patch", "patch clean activations into a corrupted run: which values carry the answer",
+
+def add_patch_command(sub: Any) -> None:
+    """The patch command."""
+    pa = command(sub, "patch", "patch clean activations into a corrupted run: which values carry the answer",
                  "Run a clean and a corrupted prompt of the same length, then run the corrupted one again "
                  "with one value taken from the clean run: the residual stream at each (stage, position), "
                  "and each head's output at every position. Reports the share of the logit difference "
@@ -376,9 +400,10 @@ def add_inspect_commands(sub: Any) -> None:
     pa.add_argument("--out", default="patch.png", metavar="FILE.png", help="the heatmaps (default patch.png)")
     pa.set_defaults(func=cmd_patch)
 
-    from gptlab.inspection.detectors import DETECTORS
 
-    he = command("heads", "score every head: previous-token, duplicate-token, induction, first-token",
+def add_heads_command(sub: Any) -> None:
+    """The heads command."""
+    he = command(sub, "heads", "score every head: previous-token, duplicate-token, induction, first-token",
                  "Score every head on repeated random token sequences made up here (n random tokens, then "
                  "the same n again): previous-token (weight on i - 1), duplicate-token (on the earlier copy "
                  "of the current token), induction (on the token after that copy) and first-token (on "

@@ -9,7 +9,7 @@ from gptlab.cli.common import (
     add_config_arguments,
     config_overrides,
 )
-from gptlab.config import ModelConfig
+from gptlab.config import ModelConfig, parameter_count
 
 
 def cmd_lab(args: argparse.Namespace) -> int:
@@ -30,7 +30,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     """Build a model from options, run one forward pass, and print its parameter arithmetic."""
     import torch
 
-    from gptlab.model import GPT, parameter_count
+    from gptlab.model import GPT
 
     config = ModelConfig.from_dict(config_overrides(args, ModelConfig))
     model = GPT(config)

@@ -21,22 +21,20 @@ SAMPLE_DEFAULTS = {"temperature": 0.8, "seed": 1337}  # `gptlab sample`'s own, o
 
 def print_samples(run: str | Path, prompt: str, num_samples: int, sampling: SamplingConfig, *, device: str,
                   use_cache: bool = True, as_json: bool = False, dtype: str = "float32",
-                  quantization: str = "none") -> None:
+                  quantize: str = "none") -> None:
     """Stream `num_samples` continuations of `prompt` to stdout, or print one JSON line per sample, from
-    the run's model with its weights held as `dtype` and `quantization` say (gptlab.quantize)."""
+    the run's model with its weights held as `dtype` and `quantize` say (gptlab.quantize)."""
     import time
 
-    from gptlab.checkpoint import load_run
+    from gptlab.checkpoint import load_for_inference
     from gptlab.common import resolve_device
     from gptlab.generate import stream_text
-    from gptlab.quantize import inference_weights
     from gptlab.sampling import sampler
 
     if num_samples < 1:
         raise ValueError(f"--num-samples={num_samples} must be at least 1")
     torch_device = resolve_device(device)
-    model, tokenizer = load_run(run, torch_device)
-    model = inference_weights(model, dtype, quantization)
+    model, tokenizer = load_for_inference(run, torch_device, dtype, quantize)
     generator = sampler(sampling, torch_device)  # one stream for all samples, so each one differs
     for n in range(num_samples):
         begin = time.perf_counter()
@@ -72,7 +70,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **generation_defaults(args.run),
                                          **config_overrides(args, SamplingConfig)})
     print_samples(args.run, prompt, args.num_samples, sampling, device=args.device, use_cache=args.use_cache,
-                  as_json=args.json, dtype=args.dtype, quantization=args.quantize)
+                  as_json=args.json, dtype=args.dtype, quantize=args.quantize)
     return 0
 
 

@@ -46,13 +46,14 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     from gptlab.seq2seq import tasks
     from gptlab.seq2seq.tasks import resolve_seq2seq_configs
     from gptlab.training import distributed
-    from gptlab.training.loop import flag, refuse_changes, resume, train_seq2seq
+    from gptlab.training.loop import train_seq2seq
+    from gptlab.training.resume import Change, refuse_changes, resume
 
     out = Path(args.out or f"runs/seq2seq-{args.task}")
     is_main = distributed.this_process().is_main
     if args.resume:
-        refuse_changes([flag(name) for name in (*config_overrides(args, TaskConfig),
-                                                *config_overrides(args, Seq2SeqConfig))])
+        refuse_changes([Change("{setting}", {"setting": f"{config.__name__}.{name}"})
+                        for config in (TaskConfig, Seq2SeqConfig) for name in config_overrides(args, config)])
         result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="encoder-decoder",
                         changes=config_overrides(args, TrainConfig))
     else:

@@ -5,28 +5,24 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from pathlib import Path
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.common import add_device_option, add_weight_options
+
+if TYPE_CHECKING:  # fastapi and torch are imported when the command runs, not when the parser is built
+    from gptlab.serve.server import ServedRun
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load the run, size the batch to the memory, bind the address, print it and serve until Ctrl-C."""
     try:
-        import uvicorn
-
-        from gptlab.serve.app import create_app
+        from gptlab.serve.server import app_for_run, listen, run_app
     except ImportError as err:
         raise ValueError(f"gptlab serve needs the serve extra ({err.name} is missing): "
                          "pip install -e '.[serve]'") from None
-    from gptlab.checkpoint import generation_defaults, load_header, load_run
-    from gptlab.common import resolve_device
-    from gptlab.quantize import inference_weights
     from gptlab.serve.guard import default_allowed_hosts, parse_allowed_hosts, read_api_key
-    from gptlab.serve.schemas import SAMPLING_DEFAULTS, Limits
-    from gptlab.serve.sizing import available_memory, plan_memory, weights_bytes
-    from gptlab.text.chat_template import template_from_state
+    from gptlab.serve.schemas import Limits
 
     if args.api_key is not None:
         raise ValueError("--api-key would show the key to every user of this machine (in `ps`): put it in "
@@ -42,36 +38,31 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    free = available_memory(device)  # before the weights take their share
-    model, tokenizer = load_run(args.run, device)
-    model = inference_weights(model, args.dtype, args.quantize)
-    plan = plan_memory(model.config, next(model.parameters()).dtype, weights_bytes(model), free,
-                       args.max_batch, args.max_context)
-    name = Path(args.run).resolve().name
-    # An imported model's generation_config.json fills what a request leaves out (max_tokens stays OpenAI's).
-    defaults = {k: v for k, v in generation_defaults(args.run).items() if k in SAMPLING_DEFAULTS}
-    template = template_from_state(load_header(args.run).state)
-    app = create_app(model, tokenizer, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
-                     allowed_hosts=allowed, defaults=defaults, template=template)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.create_server((args.host, args.port), family=family)  # bound now: --port 0 picks one
+    served = app_for_run(args.run, args.device, args.dtype, args.quantize, api_key=api_key,
+                         max_batch=args.max_batch, limits=limits, allowed_hosts=allowed)
+    sock = listen(args.host, args.port)
+    announce(args.run, served, sock, api_key is not None, allowed)
+    run_app(served.app, sock)
+    print("stopped", flush=True)
+    return 0
+
+
+def announce(run: str, served: ServedRun, sock: socket.socket, keyed: bool,
+             allowed: Collection[str] | None) -> None:
+    """Where the server answers and what to, and the notes on what it refuses or chose."""
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     hosts = ("any Host name (--allowed-hosts to restrict)" if allowed is None
              else "Host " + ", ".join(sorted(allowed)))
-    print(f"serving {args.run} as model {name!r} at http://{shown}:{port} (playground at /, OpenAI API "
-          f"at /v1{', API key required' if api_key else ''}; answering {hosts}); Ctrl-C stops", flush=True)
-    refusal = app.state.chat.refusal()
+    print(f"serving {run} as model {served.name!r} at http://{shown}:{port} (playground at /, OpenAI API "
+          f"at /v1{', API key required' if keyed else ''}; answering {hosts}); Ctrl-C stops", flush=True)
+    refusal = served.app.state.chat.refusal()
     if refusal is not None:
         print(f"note: /v1/chat/completions answers 400: {refusal}", flush=True)
+    plan = served.plan
     if plan.chosen:
         print(f"--max-batch {plan.max_batch}: the most rows of {plan.max_context} tokens that fit in the "
               f"free memory ({plan.cache_bytes / 1e9:.2f} GB of KV cache at most)", flush=True)
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)
-    uvicorn.Server(config).run(sockets=[sock])
-    print("stopped", flush=True)
-    return 0
 
 
 def add_serve_command(sub: Any) -> None:

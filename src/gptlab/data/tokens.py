@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from gptlab.common import perplexity
+from gptlab.config import SettingError
 from gptlab.text.tokenizer import (
     DamagedTokenizerError,
     Tokenizer,
@@ -124,9 +125,9 @@ class TokenData:
     def _checked_split(self, name: str, block_size: int) -> np.ndarray:
         data = self.split(name)
         if len(data) < block_size + 1:
-            raise ValueError(
+            raise SettingError(
                 f"the {name} split of {self.data_dir} has {len(data)} tokens, fewer than block_size + 1 = "
-                f"{block_size + 1}: prepare more text or choose a smaller --block-size"
+                f"{block_size + 1}: prepare more text or choose a smaller {{b}}", b="ModelConfig.block_size",
             )
         return data
 

@@ -1,14 +1,21 @@
-"""Held-out evaluation: mean next-token loss, perplexity and bits per character."""
+"""Held-out evaluation: mean next-token loss, perplexity and bits per character, of a model on tokens
+(`evaluate_tokens`) or of a run on its own split or any text (`evaluation_line`, what `gptlab eval` and the
+end of `gptlab train` print)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from gptlab.common import autocast
+from gptlab.checkpoint import data_folder, load_for_inference, load_header
+from gptlab.common import autocast, resolve_device
+from gptlab.data.corpora import load_text
+from gptlab.data.tokens import TokenData
 from gptlab.model import GPT
 
 
@@ -64,3 +71,35 @@ def evaluate_tokens(
         total += loss.item() * xb.numel()
     model.train(was_training)
     return Evaluation(loss=total / x.numel(), tokens=x.numel())
+
+
+def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: str = "float32",
+                    quantize: str = "none", device: str = "cpu") -> str:
+    """Evaluate a run's best checkpoint on `data` (train, val, a prepared folder's val split, or any
+    text) on `device`, its weights held as `dtype` and `quantize` say (gptlab.quantize), and describe
+    the result in one line."""
+    model, tokenizer = load_for_inference(run, resolve_device(device), dtype, quantize)
+    checkpoint = load_header(run)
+    if data in ("train", "val") or (Path(data) / "meta.json").is_file():
+        own = data in ("train", "val")
+        folder = data_folder(Path(checkpoint.source).parent, checkpoint.state) if own else Path(data)
+        prepared = TokenData(folder)
+        if prepared.tokenizer.to_dict() != checkpoint.tokenizer:
+            raise ValueError(f"{folder} was prepared with another tokenizer than {run}'s: give its own "
+                             "prepared folder, or a text file")
+        split = data if own else "val"
+        tokens = prepared.split(split)
+        characters = len(tokens) if tokenizer.kind == "char" else None
+        name = f"{split} split"
+    else:
+        text = load_text(data)
+        tokens = tokenizer.encode_array(text)
+        characters = len(text)
+        name = data
+    result = evaluate_tokens(model, tokens, max_tokens=max_tokens)
+    if characters:  # scale to the characters actually scored
+        scored = round(characters * result.tokens / max(1, len(tokens) - 1))
+        result = dataclasses.replace(result, characters=scored)
+    bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
+    return (f"{name}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.3f}{bpc} "
+            f"({result.tokens:,} tokens scored)")

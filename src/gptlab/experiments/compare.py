@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import platform
 import time
 from collections.abc import Sequence
@@ -22,19 +21,13 @@ import torch
 from tqdm.auto import tqdm
 
 from gptlab.common import cpu_name, on_terminal, resolve_device
+from gptlab.config import SettingError
 from gptlab.experiments.estimate import run_seconds, step_seconds
 from gptlab.experiments.grid import Cell, Run, RunOptions, build_grid, find_cell, grid_runs, safe_name
 from gptlab.experiments.report import CellSummary, write_report
-from gptlab.experiments.runner import (
-    Outcome,
-    cores,
-    data_folder_for,
-    default_jobs,
-    plan_job,
-    prepare_data,
-    run_jobs,
-)
+from gptlab.experiments.runner import Outcome, data_folder_for, plan_job, prepare_data, run_jobs
 from gptlab.files import RunLock, atomic_write_text
+from gptlab.training.machine import cores, share_cores
 
 log = logging.getLogger("gptlab.compare")
 
@@ -110,7 +103,7 @@ def compare(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], 
     with RunLock(out):
         earlier = saved_machine(out)
         write_grid(out, grid, command, earlier)  # first: a failed preparation still leaves a comparison
-        jobs, threads = jobs_and_threads(jobs)
+        jobs, threads = share_cores(jobs)
         data = prepare_data(grid.cells, out, progress)
         grid, machine = decide_for_grid(grid, out, data, threads, earlier)
         write_grid(out, grid, command, machine)
@@ -152,11 +145,11 @@ def compare(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], 
 
 
 def check_folder(out: Path) -> None:
-    """Refuse an --out that holds something other than a comparison (or nothing)."""
+    """Refuse an `out` that holds something other than a comparison (or nothing)."""
     others = out.is_dir() and any(p.name != RunLock.NAME for p in out.iterdir())
     if others and not (out / GRID_FILE).is_file():
-        raise ValueError(f"{out} is not empty and holds no comparison: choose a new or empty --out "
-                         "(nothing in it was changed)")
+        raise SettingError(f"{out} is not empty and holds no comparison: choose a new or empty {{out}} "
+                           "(nothing in it was changed)", out="out")
 
 
 def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
@@ -164,12 +157,12 @@ def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
     """The grid with precision "auto" (and Muon's) made concrete once for every cell, so that no two cells
     differ by a probe's noise, and compare.json's "machine" entry; None when no cell asks for "auto".
 
-    One probe (gptlab.training.machine), of the first such cell's model at its micro-batch with the threads each run
-    gets, decides for the whole grid: give --precision (or vary it) to choose otherwise. A later call in the
-    same OUT reuses the decisions compare.json holds (`earlier`), so its runs all keep one precision and the
-    ones it resumes are not refused as changed."""
+    One `machine.decide`, probing the first such cell's model at its micro-batch with the threads each run
+    gets, decides for the whole grid: give a precision (or vary it) to choose otherwise. A later call in
+    the same OUT reuses the decisions compare.json holds (`earlier`), so its runs all keep one precision
+    and the ones it resumes are not refused as changed."""
     from gptlab.data.tokens import TokenData
-    from gptlab.training.machine import Decision, decide_muon_precision, decide_precision, describe, record
+    from gptlab.training.machine import decide, describe, record
 
     auto = [cell for cell in grid.cells if cell.train_config.precision == "auto"]
     muon = [cell for cell in grid.cells
@@ -179,36 +172,22 @@ def decide_for_grid(grid: Grid, out: Path, data: dict[str, Path], threads: int,
     earlier = earlier or {}  # None: nothing was decided before
     first = (auto or muon)[0]
     probe: dict[str, Any] = {"cell": first.name, "rows": first.train_config.batch_size, "threads": threads}
-    device = resolve_device(first.train_config.device)
-    decisions, kept = [], []
-
-    def saved(name: str) -> Decision | None:
-        if name not in earlier:
-            return None
-        kept.append(name)
-        entry = earlier[name]
-        return Decision(name, entry["value"], entry["why"], entry.get("ms_per_step", {}))
-
-    if auto:
-        decision = saved("precision")
-        if decision is None:
-            model = first.model_config.replace(vocab_size=TokenData(data[first.name]).tokenizer.vocab_size)
-            decision = decide_precision("auto", device, model, probe["rows"], threads)
-        else:
-            probe = earlier.get("probe", probe)
-        decisions.append(decision)
-    if muon:
-        decisions.append(saved("muon_precision") or decide_muon_precision("auto", device))
-    per_run = Decision("threads", str(threads), "each run's share of the cores")
-    kept_note = f" (as decided before, in {GRID_FILE})" if kept else ""
-    log.info(describe([*decisions, per_run], auto=bool(auto)) + kept_note)
-    chosen = {d.name: d.value for d in decisions}
     asking = (("precision", auto), ("muon_precision", muon))
+    kept = [name for name, those in asking if those and name in earlier]
+    if auto and "precision" in earlier:
+        probe = earlier.get("probe", probe)
+    model = first.model_config.replace(vocab_size=TokenData(data[first.name]).tokenizer.vocab_size)
+    decisions = decide(resolve_device(first.train_config.device), model, first.train_config.batch_size,
+                       precision="auto" if auto else None, muon_precision="auto" if muon else None,
+                       threads=threads, earlier=earlier)
+    kept_note = f" (as decided before, in {GRID_FILE})" if kept else ""
+    log.info(describe(decisions, auto=bool(auto)) + kept_note)
+    chosen = {d.name: d.value for d in decisions}
     cells = [dataclasses.replace(c, train_config=c.train_config.replace(
         **{name: chosen[name] for name, those in asking if c in those})) for c in grid.cells]
     seeds = tuple(dict.fromkeys(r.seed for r in grid.runs))  # in the grid's order
     concrete = Grid(cells, grid_runs(cells, seeds, out), cells[grid.cells.index(grid.baseline)])
-    return concrete, {**record([*decisions, per_run]), "probe": probe}
+    return concrete, {**record(decisions), "probe": probe}
 
 
 def write_grid(out: Path, grid: Grid, command: str, machine: dict[str, Any] | None = None) -> None:
@@ -239,13 +218,3 @@ def report_context(command: str, jobs: int, threads: int) -> list[str]:
                     f"{platform.python_version()}, {time.strftime('%Y-%m-%d')}",
                     f"{jobs} run(s) at a time with {threads} thread(s) each: times are comparable within "
                     "this report, not with runs trained alone"]
-
-
-def jobs_and_threads(jobs: int | None) -> tuple[int, int]:
-    """The runs trained at once (default: one per two cores) and the threads each gets."""
-    n = cores()
-    jobs = default_jobs(n) if jobs is None else jobs
-    if jobs < 1:
-        raise ValueError(f"--jobs {jobs} must be at least 1")
-    return jobs, max(1, math.floor(n / jobs))
-

@@ -1,9 +1,10 @@
 """The grid of a comparison: which settings vary, the cells they make, and one run folder per cell and seed.
 
-`--vary KEY=V1,V2` names any option of `gptlab train` by its flag (model, optimiser, schedule, and the
-data options preset, config, data, tokenizer, vocab-size); several `--vary` make the product of their
-values. Every cell is resolved to validated configs here, so an unknown key or a bad value is one line
-before anything trains. Runs live in OUT/<cell>/seed-<n>, each a normal run folder.
+A varied key (`varies`, `--vary KEY=V1,V2` on the command line) names any setting of `gptlab train`: a model
+or training field (model, optimiser, schedule) or one of the data options preset, config, data, tokenizer,
+vocab_size; several make the product of their values. Every cell is resolved to validated configs here,
+so an unknown key or a bad value is one line before anything trains. Runs live in OUT/<cell>/seed-<n>,
+each a normal run folder.
 """
 
 from __future__ import annotations
@@ -18,18 +19,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import Config, ModelConfig, TrainConfig, flag
+from gptlab.config import Config, ModelConfig, SettingError, TrainConfig
 from gptlab.training.presets import resolve_configs
 
 # Keys that name where a run's settings and text come from, not a config field: key -> RunOptions field.
 SOURCE_KEYS = {"preset": "preset", "config": "config", "data": "data", "tokenizer": "tokenizer",
                "vocab_size": "tokenizer_vocab_size"}
-# Config fields that cannot be varied: gptlab sets them, or the grid itself does (seeds).
+# Config fields that cannot be varied: gptlab sets them, or the grid itself does (seeds). The reasons name
+# the settings of FIXED_NAMES, as SettingError keys.
 FIXED = {"vocab_size": "it is the tokenizer's (vary vocab-size, the tokenizer's size, instead)",
          "causal": "a language model masks the future in every block",
-         "seed": "seeds are the grid's other axis: use --seeds",
+         "seed": "seeds are the grid's other axis: use {seeds}",
          "device": "every run of a comparison runs on the same device",
-         "log": "every run logs the same way: give --log once"}
+         "log": "every run logs the same way: give {log} once"}
+FIXED_NAMES = {"seeds": "seeds", "log": "TrainConfig.log"}
+OWNERS = {"source": "RunOptions", "model": "ModelConfig", "train": "TrainConfig"}  # where a key's field is
 TRUE, FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
 
 
@@ -80,76 +84,59 @@ class Run:
         return f"{self.cell.name} seed {self.seed}"
 
 
-def parse_vary(text: str) -> tuple[str, tuple[str, ...]]:
-    """`KEY=V1,V2` -> (key as a field name, the values); the key may be written as its flag."""
-    key, sep, values = text.partition("=")
-    key = key.strip().removeprefix("--").replace("-", "_")
-    items = tuple(v.strip() for v in values.split(","))
-    if not sep or not key or not all(items):
-        raise ValueError(f"--vary {text!r} must be KEY=V1,V2[,...], e.g. --vary positions=learned,rope")
-    if len(set(items)) != len(items):
-        raise ValueError(f"--vary {text!r} repeats a value: give each value once")
-    return key, items
-
-
-def parse_seeds(text: str) -> tuple[int, ...]:
-    """`3` -> seeds 1, 2, 3; `1,5,9` -> those seeds."""
-    try:
-        seeds = tuple(int(s) for s in text.split(",")) if "," in text else tuple(range(1, int(text) + 1))
-    except ValueError:
-        raise ValueError(f"--seeds {text!r} must be a count (3: seeds 1, 2, 3) or a list (1,5,9)") from None
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise ValueError(f"--seeds {text!r} must give at least one seed, each once and not negative")
-    return seeds
-
-
 def option_value(key: str, text: str) -> tuple[str, str, Any]:
-    """Where `--vary key=text` goes ("source", "model" or "train"), the field, and the typed value."""
+    """Where the varied `key=text` goes ("source", "model" or "train"), the field, and the typed value."""
     if key in SOURCE_KEYS:
         name = SOURCE_KEYS[key]
         hint = typing.get_type_hints(RunOptions)[name]
-        return "source", name, _typed(key, text, hint)
+        return "source", name, _typed(f"RunOptions.{name}", key, text, hint)
     for section, config_cls in (("model", ModelConfig), ("train", TrainConfig)):
         if key in config_cls.field_names():
             if key in FIXED:
-                raise ValueError(f"--vary {key} is not offered: {FIXED[key]}")
+                raise SettingError(f"{{varies}} {key} is not offered: {FIXED[key]}", varies="varies",
+                                   **FIXED_NAMES)
             hint = typing.get_type_hints(config_cls)[key]
-            return section, key, _typed(key, text, hint)
+            return section, key, _typed(f"{config_cls.__name__}.{key}", key, text, hint)
     known = sorted({*SOURCE_KEYS, *ModelConfig.field_names(), *TrainConfig.field_names()} - set(FIXED))
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"did you mean {close[0]}? " if close else ""
-    raise ValueError(f"--vary {key}: no such option of gptlab train; {hint}the options: {', '.join(known)}")
+    raise SettingError(f"{{varies}} {key}: no such option of gptlab train; {hint}the options: "
+                       f"{', '.join(known)}", varies="varies")
 
 
-def _typed(key: str, text: str, hint: Any) -> Any:
-    """`text` as the option's type: numbers, booleans (true/false), `none` for an optional field."""
+def _typed(setting: str, key: str, text: str, hint: Any) -> Any:
+    """`text` as the type of the option `key` (the field `setting`): numbers, booleans (true/false), `none`
+    for an optional field."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         if text.lower() == "none":
             return None
         hint = next(h for h in typing.get_args(hint) if h is not type(None))
     if typing.get_origin(hint) is tuple:
-        raise ValueError(f"--vary {key}: a list option cannot be varied")
+        raise SettingError(f"{{varies}} {key}: a list option cannot be varied", varies="varies")
     if hint is bool:
         if text.lower() not in TRUE + FALSE:
-            raise ValueError(f"--vary {key}={text}: give true or false")
+            raise SettingError(f"{{varies}} {key}={text}: give true or false", varies="varies")
         return text.lower() in TRUE
     try:
         return hint(text)
     except ValueError:
-        raise ValueError(f"--vary {key}={text}: {flag(key)} takes a {hint.__name__}") from None
+        raise SettingError(f"{{varies}} {key}={text}: {{setting}} takes a {hint.__name__}", varies="varies",
+                           setting=setting) from None
 
 
 def build_grid(base: RunOptions, varies: list[tuple[str, tuple[str, ...]]]) -> list[Cell]:
     """Every combination of the varied values over `base`, each resolved and validated; no vary: one cell."""
     keys = [key for key, _ in varies]
     if len(set(keys)) != len(keys):
-        raise ValueError("a key is varied twice: give all its values in one --vary KEY=V1,V2")
+        raise SettingError("a key is varied twice: give all its values in one {varies} KEY=V1,V2",
+                           varies="varies")
     targets = [option_value(key, values[0])[:2] for key, values in varies]
-    for key, (section, name) in zip(keys, targets, strict=True):
+    for section, name in targets:
         given = getattr(base, name) if section == "source" else getattr(base, section).get(name)
         default = getattr(RunOptions(), name) if section == "source" else None
         if given is not None and given != default:
-            raise ValueError(f"{flag(key)} is both given ({given}) and varied: leave out {flag(key)}")
+            raise SettingError(f"{{setting}} is both given ({given}) and varied: leave out {{setting}}",
+                               setting=f"{OWNERS[section]}.{name}")
     cells, names = [], set()
     for combination in itertools.product(*(values for _, values in varies)):
         settings = tuple(zip(keys, combination, strict=True))
@@ -192,8 +179,8 @@ def find_cell(cells: list[Cell], name: str | None) -> Cell:
         return cells[0]
     matches = [c for c in cells if name in (c.name, ",".join(v for _, v in c.settings))]
     if len(matches) != 1:
-        raise ValueError(f"--baseline {name!r} is not one cell of the grid; the cells are: "
-                         f"{', '.join(c.name for c in cells)}")
+        raise SettingError(f"{{baseline}} {name!r} is not one cell of the grid; the cells are: "
+                           f"{', '.join(c.name for c in cells)}", baseline="baseline")
     return matches[0]
 
 

@@ -110,7 +110,7 @@ def read_run(run: Run) -> RunRecord | None:
 
 def summarise(runs: list[Run]) -> list[CellSummary]:
     """Every cell with its finished runs, in the grid's order."""
-    from gptlab.model import parameter_count
+    from gptlab.config import parameter_count
 
     summaries = []
     for cell in dict.fromkeys(r.cell for r in runs):

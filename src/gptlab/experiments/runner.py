@@ -1,12 +1,12 @@
 """Train a grid's runs, N at a time, so that the same command run again finishes the work and nothing more.
 
-Each run is an ordinary run folder trained by `gptlab.training.loop`. Before anything trains, every run's state is
-read: a finished run is skipped, an interrupted one resumed (its last checkpoint is at most `save_every`
-seconds old), a new one started; a run folder trained with other settings is refused by name. Runs train
-in worker processes of their own (`jobs` at once, the cores divided among them); a worker follows its
-parent: Ctrl-C or SIGTERM to the comparison makes every running run save and stop, and on Linux a
-killed parent takes its workers down the same way. Each run ends with its last checkpoint scored on the
-validation split (`final.json`), the figure the report compares.
+Each run is an ordinary run folder trained by `gptlab.training.loop`. Before anything trains, every run's
+state is read: a finished run is skipped, an interrupted one resumed (its last checkpoint is at most
+`save_every` seconds old), a new one started; a run folder trained with other settings is refused by name.
+Runs train in worker processes of their own (`jobs` at once, the cores divided among them); a
+worker follows its parent: Ctrl-C or SIGTERM to the comparison makes every running run save and stop,
+and on Linux a killed parent takes its workers down the same way. Each run ends with its last
+checkpoint scored on the validation split (`final.json`), the figure the report compares.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.checkpoint import LAST, has_checkpoint, load_header
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, SettingError, TrainConfig
 from gptlab.experiments.grid import Cell, Run, config_differences, safe_name
 from gptlab.files import atomic_write_text
 
@@ -34,17 +34,6 @@ log = logging.getLogger("gptlab.compare")
 
 FINAL = "final.json"  # the last checkpoint's loss on the validation split, written when a run finishes
 FINAL_TOKENS = 2**17  # the first this many validation tokens are scored, the same ones for every run
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def default_jobs(n_cores: int) -> int:
-    """Runs trained at once by default: one per core. Small models use a second thread poorly: two speedrun
-    runs took 79 s as 2 jobs of 1 thread and 90 s as 1 job of 2 (2-core AMD EPYC, 2026-12-02)."""
-    return max(1, n_cores)
 
 
 @dataclass(frozen=True)
@@ -97,8 +86,8 @@ def prepare_data(cells: list[Cell], out: Path, progress: bool) -> dict[str, Path
         if meta.is_file():
             source = json.loads(meta.read_text(encoding="utf-8")).get("source")
             if folder.parent == out / "data" and source != options.data:
-                raise ValueError(f"{folder} was prepared from {source}, not {options.data}: choose another "
-                                 "--out")
+                raise SettingError(f"{folder} was prepared from {source}, not {options.data}: choose "
+                                   "another {out}", out="out")
         else:
             log.info(f"preparing {options.data} with the {options.tokenizer} tokenizer into {folder}")
             prepare(options.data, folder, tokenizer=options.tokenizer,
@@ -111,7 +100,7 @@ def plan_job(run: Run, data: Path, threads: int, logs: Path) -> Job | None:
     """The job that brings `run` to its end, or None when it is finished and scored; a run folder trained
     with other settings than the grid's is refused, naming what differs."""
     from gptlab.data.tokens import TokenData
-    from gptlab.training.loop import RESUMABLE
+    from gptlab.training.resume import RESUMABLE
 
     model = run.cell.model_config.replace(vocab_size=TokenData(data).tokenizer.vocab_size)
     train = run.train_config
@@ -128,8 +117,9 @@ def plan_job(run: Run, data: Path, threads: int, logs: Path) -> Job | None:
     differs = config_differences(header.model_config, model)
     differs += [d for d in config_differences(saved, train) if d.split()[0] not in RESUMABLE]
     if differs:
-        raise ValueError(f"{run.folder} was trained with other settings ({'; '.join(differs)}): this command "
-                         "would change its work; give the options it was run with, or choose another --out")
+        raise SettingError(f"{run.folder} was trained with other settings ({'; '.join(differs)}): this "
+                           "command would change its work; give the options it was run with, or choose "
+                           "another {out}", out="out")
     changes = {"max_steps": train.max_steps} if train.max_steps != saved.max_steps else {}
     step = header.state["step"]
     if step < train.max_steps:
@@ -174,7 +164,8 @@ def execute(job: Job) -> Outcome:
     """Train, resume or score one run in this process (with its log in `job.log_file`)."""
     import torch
 
-    from gptlab.training.loop import TrainingDiverged, resume, train
+    from gptlab.training.loop import TrainingDiverged, train
+    from gptlab.training.resume import resume
 
     torch.set_num_threads(job.threads)
     handler = None

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from gptlab import model as M
-from gptlab.config import ModelConfig
+from gptlab.config import ModelConfig, parameter_count
 from gptlab.handout.properties import (
     Check,
     close,
@@ -168,7 +168,7 @@ def check_head_parameters() -> list[Check]:
     for n_head in (1, 2, 4, 8):
         config = ModelConfig(vocab_size=16, block_size=8, n_layer=2, n_head=n_head, n_embd=8, bias=False)
         results.append(head_parameters(M.CausalSelfAttention(config), config.n_embd, n_head))
-        arithmetic[n_head] = M.parameter_count(config)["attention"] / config.n_layer
+        arithmetic[n_head] = parameter_count(config)["attention"] / config.n_layer
     results.append(Check("§4", "parameter_count / L, D=8", set(arithmetic.values()) == {256},
                          "256 for H = 1, 2, 4, 8", ", ".join(f"H={h}: {n:g}" for h, n in arithmetic.items())))
     return results
@@ -314,7 +314,7 @@ def check_parameter_sharing() -> list[Check]:
         "untied": {"tied": False}}
     models = {name: M.GPT(_small(**changes)) for name, changes in variants.items()}
     counts = {name: model.num_parameters() for name, model in models.items()}
-    arithmetic = {name: M.parameter_count(model.config)["total"] for name, model in models.items()}
+    arithmetic = {name: parameter_count(model.config)["total"] for name, model in models.items()}
     tied = models["learned"]
     return [
         Check(s, "learned positions add T_max * D", counts["learned"] - counts["none"] == T * D, f"{T * D}",

@@ -1,8 +1,8 @@
 """The handout's properties, measured on a trained model (a checkpoint or an imported GPT-2).
 
 `gptlab lab` checks the handout on small models it builds itself; this module runs the same property
-functions (`gptlab.handout.properties`) on the user's model, on random token ids from a fixed seed, and reports
-each one's deviation next to its tolerance (EPSILONS float epsilons of the model's dtype, times the
+functions (`gptlab.handout.properties`) on the user's model, on random token ids from a fixed seed, and
+reports each one's deviation next to its tolerance (EPSILONS float epsilons of the model's dtype, times the
 compared values' size): rows sum to one (§3.2); position i's logits do not change at all when every
 later input changes (§7.3); cached generation gives the logits of rerunning the whole sequence at
 every step (§7.1); fused = separate projections and heads, on each layer's real input (§4.2); a tied

@@ -1,9 +1,10 @@
 """The handout's worked numbers (§2.1, §3.1, §3.2, §4, §4.1, §5) as checks of any attention or module.
 
-`gptlab lab` runs them on gptlab's own parts (lab.py) and `gptlab check` on a learner's (gptlab.handout.learner),
-so both hold an implementation to the same numbers. An attention function here is `attend(q, k, v) -> y`
-on rank-3 tensors (B, T, d). Its weights are read off its output for one-hot values (V = I gives y = a),
-and its scores off those weights, so no check needs to reach inside the function.
+`gptlab lab` runs them on gptlab's own parts (lab.py) and `gptlab check` on a learner's
+(gptlab.handout.learner), so both hold an implementation to the same numbers. An attention function here
+is `attend(q, k, v) -> y` on rank-3 tensors (B, T, d). Its weights are read off its output for one-hot
+values (V = I gives y = a), and its scores off those weights, so no check needs to reach inside the
+function.
 
 Shape legend: B batch, Tq queries, Tk keys, d query/key width, dv value width, D model width, H heads.
 """

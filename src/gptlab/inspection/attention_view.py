@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from gptlab.config import SettingError
 from gptlab.inspection.hooks import record
 from gptlab.inspection.page import PAGE
 from gptlab.inspection.tokens import token_label, token_labels
@@ -45,11 +46,13 @@ class AttentionMaps:
 
 
 def check_index(value: int | None, count: int, option: str) -> list[int]:
-    """[value] if it is a valid index below `count`, every index if it is None; else a ValueError."""
+    """[value] if it is a valid index below `count`, every index if it is None; else a SettingError naming
+    `option`."""
     if value is None:
         return list(range(count))
     if not 0 <= value < count:
-        raise ValueError(f"{option} {value} does not exist: the model has {count}, numbered 0..{count - 1}")
+        raise SettingError(f"{{o}} {value} does not exist: the model has {count}, numbered 0..{count - 1}",
+                           o=option)
     return [value]
 
 
@@ -57,8 +60,8 @@ def check_index(value: int | None, count: int, option: str) -> list[int]:
 def attention_maps(model: GPT, tokenizer: Tokenizer, prompt: str, ids: Sequence[int],
                    layer: int | None = None, head: int | None = None) -> AttentionMaps:
     """Run the prompt once, recomputing the weights of one layer/head or of all (the default)."""
-    layers = check_index(layer, model.config.n_layer, "--layer")
-    heads = check_index(head, model.config.n_head, "--head")
+    layers = check_index(layer, model.config.n_layer, "layer")
+    heads = check_index(head, model.config.n_head, "head")
     device = next(model.parameters()).device
     names = [f"h.{n}.attn.weights" for n in layers]
     with record(model, names, heads) as values:

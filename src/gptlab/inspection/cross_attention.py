@@ -46,8 +46,8 @@ def cross_attention_maps(model: EncoderDecoder, vocab: SymbolTokenizer, task: Ta
                          layer: int | None = None, head: int | None = None) -> CrossAttentionMaps:
     """Answer `source` greedily and recompute the cross-attention weights behind every answer token."""
     tasks.check_source(task, source, model.config.block_size)
-    layers = check_index(layer, model.config.n_layer, "--layer")
-    heads = check_index(head, model.config.n_head, "--head")
+    layers = check_index(layer, model.config.n_layer, "layer")
+    heads = check_index(head, model.config.n_head, "head")
     device = next(model.parameters()).device
     src = tasks.encode_sources(vocab, [source]).to(device)  # (1, S)
     answer = decode_answers(model, src, tasks.BOS, tasks.EOS)[0]

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
+from gptlab.config import DETECTORS
 from gptlab.inspection.hooks import HookFn, hooked, record
 from gptlab.inspection.interventions import draw_head_grid
 from gptlab.model import GPT, next_token_loss
 
-DETECTORS = ("previous_token", "duplicate_token", "induction", "first_token")
 REPEAT_LENGTH = 32  # tokens per half, or block_size // 2 when the window is shorter
 SEQUENCES = 16  # probe sequences per measurement
 

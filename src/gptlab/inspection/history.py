@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gptlab.config import SettingError
 from gptlab.inspection.detectors import DETECTORS, score_heads
 from gptlab.model import GPT
 
@@ -70,19 +71,19 @@ class HeadHistory:
 
 
 def read_history(run: str | Path) -> HeadHistory:
-    """The head scores in a run folder's metrics.csv; a ValueError if it was trained without --track-heads."""
+    """The head scores in a run folder's metrics.csv; a ValueError if it was trained without track_heads."""
     run = Path(run)
     path = (run if run.is_dir() else run.parent) / "metrics.csv"
     if not path.is_file():
-        raise ValueError(f"{path} does not exist: --history reads the metrics.csv of a run folder trained "
-                         "with gptlab train --track-heads")
+        raise SettingError(f"{path} does not exist: {{h}} reads the metrics.csv of a run folder trained "
+                           "with gptlab train --track-heads", h="read_history")
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     heads = [(int(m[1]), int(m[2]), m[3]) for m in map(COLUMN.fullmatch, rows[0] if rows else ())
              if m and m[3] in DETECTORS]
     if not heads:
-        raise ValueError(f"{path} holds no head scores: train with --track-heads to record them at every "
-                         "evaluation (gptlab train ... --track-heads)")
+        raise SettingError(f"{path} holds no head scores: train with {{t}} to record them at every "
+                           "evaluation (gptlab train ... --track-heads)", t="TrainConfig.track_heads")
     n_layer, n_head = max(h[0] for h in heads) + 1, max(h[1] for h in heads) + 1
     scores = {d: torch.tensor([[[float(row[f"L{layer}H{head}_{d}"]) for head in range(n_head)]
                                 for layer in range(n_layer)] for row in rows]) for d in DETECTORS}

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from gptlab.config import SettingError
 from gptlab.inspection.hooks import hooked, record
 from gptlab.inspection.tokens import resolve_position
 from gptlab.model import GPT
@@ -151,15 +152,15 @@ def edit_tokens(ids: Sequence[int], replace: Sequence[tuple[int, int]] = (),
     n = len(ids)
     replaced = {}
     for position, token in replace:
-        position = resolve_position(position, n, "--replace")
+        position = resolve_position(position, n, "replace")
         if position in replaced:
-            raise ValueError(f"--replace names position {position} twice: give each position once")
+            raise SettingError(f"{{r}} names position {position} twice: give each position once", r="replace")
         replaced[position] = token
-    dropped = {resolve_position(position, n, "--drop") for position in drop}
+    dropped = {resolve_position(position, n, "drop") for position in drop}
     if dropped & set(replaced):
         raise ValueError(f"position {min(dropped & set(replaced))} is both replaced and dropped: choose one")
     if len(dropped) == n:
-        raise ValueError("--drop removes every token of the prompt: keep at least one")
+        raise SettingError("{d} removes every token of the prompt: keep at least one", d="drop")
     return [replaced.get(i, token) for i, token in enumerate(ids) if i not in dropped]
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gptlab.config import SettingError
 from gptlab.inspection.hooks import hooked, record
 from gptlab.inspection.lens import stage_names, stage_points
 from gptlab.model import GPT
@@ -60,8 +61,9 @@ def _runner_up(logits: torch.Tensor, target: int) -> int:
 def check_same_length(clean: Sequence[int], corrupt: Sequence[int]) -> None:
     """Patching pairs positions, so the prompts must be as long as each other."""
     if len(clean) != len(corrupt):
-        raise ValueError(f"--clean is {len(clean)} tokens but --corrupt is {len(corrupt)}: patching pairs "
-                         "their positions, so give prompts that tokenize to the same length")
+        raise SettingError(f"{{c}} is {len(clean)} tokens but {{x}} is {len(corrupt)}: patching pairs "
+                           "their positions, so give prompts that tokenize to the same length",
+                           c="clean", x="corrupt")
 
 
 def patch_value(model: GPT, corrupt: torch.Tensor, point: str, clean_value: torch.Tensor,
@@ -96,8 +98,8 @@ def patch_activations(model: GPT, clean_ids: Sequence[int], corrupt_ids: Sequenc
     target = int(clean_logits[0, -1].argmax()) if target is None else target
     foil = _runner_up(corrupt_logits, target) if foil is None else foil
     if foil == target:
-        raise ValueError("--foil is the same token as --target: the logit difference would be zero; "
-                         "choose another foil")
+        raise SettingError("{f} is the same token as {t}: the logit difference would be zero; "
+                           "choose another foil", f="foil", t="target")
     m_clean, m_corrupt = _metric(clean_logits, target, foil), _metric(corrupt_logits, target, foil)
     if m_clean == m_corrupt:
         raise ValueError("the clean and corrupted prompts give the same logit difference, so there is "

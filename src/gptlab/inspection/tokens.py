@@ -9,30 +9,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gptlab.config import SettingError
 from gptlab.text.tokenizer import Tokenizer
 
 # Characters a label shows visibly: a space, line breaks and tabs would vanish on an axis.
 VISIBLE = {" ": "\u2423", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, option: str = "--prompt") -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, option: str = "prompt") -> list[int]:
     """The token ids of `prompt`, refusing an empty prompt or one longer than the context window;
-    `option` names the flag in errors."""
+    `option` names the argument in errors (a SettingError setting)."""
     ids = tokenizer.encode(prompt)
     if not ids:
-        raise ValueError(f"{option} encodes to no tokens: give a non-empty prompt")
+        raise SettingError("{o} encodes to no tokens: give a non-empty prompt", o=option)
     if len(ids) > block_size:
-        raise ValueError(f"{option} is {len(ids)} tokens but the model sees at most block_size={block_size}: "
-                         "shorten the prompt")
+        raise SettingError(f"{{o}} is {len(ids)} tokens but the model sees at most block_size={block_size}: "
+                           "shorten the prompt", o=option)
     return ids
 
 
 def encode_token(tokenizer: Tokenizer, text: str, option: str) -> int:
-    """The id of `text`, which must encode to exactly one token; `option` names the flag in errors."""
+    """The id of `text`, which must encode to exactly one token; `option` names the argument in errors."""
     ids = tokenizer.encode(text)
     if len(ids) != 1:
-        raise ValueError(f"{option} {text!r} is {len(ids)} tokens for the {tokenizer.kind} tokenizer; "
-                         "give text that is exactly one token")
+        raise SettingError(f"{{o}} {text!r} is {len(ids)} tokens for the {tokenizer.kind} tokenizer; "
+                           "give text that is exactly one token", o=option)
     return ids[0]
 
 
@@ -49,10 +50,11 @@ def token_labels(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
 
 
 def resolve_position(position: int, length: int, option: str) -> int:
-    """A position in 0..length-1 from one that may count from the end; a ValueError if out of range."""
+    """A position in 0..length-1 from one that may count from the end; a SettingError naming `option` if
+    out of range."""
     if not -length <= position < length:
-        raise ValueError(f"{option} position {position} is outside the prompt's {length} tokens: "
-                         f"use 0..{length - 1}, or -{length}..-1 to count from the end")
+        raise SettingError(f"{{o}} position {position} is outside the prompt's {length} tokens: "
+                           f"use 0..{length - 1}, or -{length}..-1 to count from the end", o=option)
     return position % length
 
 
@@ -60,5 +62,6 @@ def parse_replacement(spec: str) -> tuple[int, str]:
     """(position, text) of a `--replace POS=TOKEN` value; the text may itself contain '='."""
     position, sep, text = spec.partition("=")
     if not (sep and text and position.strip().removeprefix("-").isdigit()):
-        raise ValueError(f"--replace {spec!r} must be POS=TOKEN, a token index and the new token, e.g. 3=e")
+        raise SettingError(f"{{r}} {spec!r} must be POS=TOKEN, a token index and the new token, e.g. 3=e",
+                           r="replace")
     return int(position), text

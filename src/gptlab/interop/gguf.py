@@ -24,6 +24,7 @@ multiple of 32 values (q8_0's block).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 
 from gptlab.checkpoint import ADAPTER, Checkpoint, architecture, load_checkpoint, require_architecture
-from gptlab.config import ModelConfig, flag
+from gptlab.config import ModelConfig, SettingError
 from gptlab.files import atomic_write
 from gptlab.interop.gpt2 import from_gpt2_state, to_gpt2_state
 from gptlab.interop.hf_tokenizer import byte_level_bpe, byte_to_unicode, hf_tokenizer_json
@@ -45,7 +46,8 @@ from gptlab.text.tokenizer import EOT, Tokenizer, tokenizer_from_dict
 GGUF_TYPES = ("f32", "f16", "q8_0")
 PRE_TOKENIZER = "gpt-2"  # llama.cpp's name for GPT-2's split pattern, the one gptlab's byte-level kinds use
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
-# gptlab's native chat template (gptlab.text.chat_template.NativeTemplate) in Jinja, for llama.cpp's chat mode.
+# gptlab's native chat template (gptlab.text.chat_template.NativeTemplate) in Jinja, for llama.cpp's chat
+# mode.
 NATIVE_JINJA = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 # What each graph needs of a gptlab ModelConfig: field -> (value, why). Neither graph has the GPU-speedrun
@@ -70,24 +72,33 @@ class GGUFExport:
 
 
 def _setting(name: str, value: Any) -> str:
-    """A config value as the option that sets it: --ffn gelu, --no-bias, --tied."""
+    """A config value as a SettingError template: `{ffn} gelu`, `{not_bias}` (--no-bias), `{tied}`."""
     if isinstance(value, bool):
-        return flag(name) if value else "--no-" + flag(name)[2:]
-    return f"{flag(name)} {value}"
+        return f"{{{name}}}" if value else f"{{not_{name}}}"
+    return f"{{{name}}} {value}"
+
+
+def _fields(problems: list[str]) -> dict[str, str]:
+    """The ModelConfig field behind each `{key}` of export_problems' templates (`not_x`: x switched off)."""
+    keys = {key for problem in problems for key in re.findall(r"{(\w+)}", problem)}
+    return {key: f"not ModelConfig.{key[4:]}" if key.startswith("not_") else f"ModelConfig.{key}"
+            for key in keys}
 
 
 def export_problems(config: ModelConfig) -> list[str]:
-    """Every setting llama.cpp cannot compute as gptlab does, each with the nearest exportable setting."""
+    """Every setting llama.cpp cannot compute as gptlab does, each with the nearest exportable setting, as
+    SettingError templates whose `{field}`s name ModelConfig fields (`_fields`)."""
     where = "llama.cpp's graphs"
     if config.positions not in ("learned", "rope"):
-        return [f"{flag('positions')} {config.positions}: llama.cpp has learned positions (its gpt2 graph) "
-                "and rotary ones (its llama graph): use --positions learned or --positions rope"]
+        return [f"{{positions}} {config.positions}: llama.cpp has learned positions (its gpt2 graph) "
+                "and rotary ones (its llama graph): use {positions} learned or {positions} rope"]
     graph, needs = ("gpt2", GPT2_GRAPH) if config.positions == "learned" else ("llama", LLAMA_GRAPH)
     problems = []
     if config.arrangement != "pre":
-        problems.append(f"--arrangement {config.arrangement}: {where} are pre-norm: use --arrangement pre")
+        problems.append(f"{{arrangement}} {config.arrangement}: {where} are pre-norm: "
+                        "use {arrangement} pre")
     if not config.causal:
-        problems.append(f"--no-causal: {where} are causal: use --causal")
+        problems.append(f"{{not_causal}}: {where} are causal: use {{causal}}")
     for name, need in needs.items():
         value = getattr(config, name)
         if value != need:
@@ -96,8 +107,8 @@ def export_problems(config: ModelConfig) -> list[str]:
             problems.append(f"{_setting(name, value)}: llama.cpp's {graph} graph needs "
                             f"{_setting(name, need)}{detail}")
     if graph == "gpt2" and config.kv_heads != config.n_head:
-        problems.append(f"--n-kv-head {config.n_kv_head}: llama.cpp's gpt2 graph gives every head its keys "
-                        "and values: leave --n-kv-head out (or use the llama shape: --positions rope)")
+        problems.append(f"{{n_kv_head}} {config.n_kv_head}: llama.cpp's gpt2 graph gives every head its keys "
+                        "and values: leave {n_kv_head} out (or use the llama shape: {positions} rope)")
     return problems
 
 
@@ -105,7 +116,8 @@ def gguf_arch(config: ModelConfig) -> str:
     """llama.cpp's architecture for this config (gpt2, llama or qwen2), or a ValueError listing the fixes."""
     problems = export_problems(config)
     if problems:
-        raise ValueError(f"llama.cpp cannot run this model as gptlab does: {'; '.join(problems)}")
+        raise SettingError(f"llama.cpp cannot run this model as gptlab does: {'; '.join(problems)}",
+                           **_fields(problems))
     if config.positions == "learned":
         return "gpt2"
     return "qwen2" if config.attn_bias else "llama"
@@ -241,8 +253,8 @@ def gguf_vocab(tokenizer: Mapping[str, Any], vocab_size: int) -> GGUFVocab:
         merges = [m if isinstance(m, str) else " ".join(m) for m in hf["model"]["merges"]]
         eos = tokenizer.get("eos_id") if kind == "hf" else vocab.get(EOT)
     else:
-        raise ValueError(f"the {kind} tokenizer has no llama.cpp equivalent: train with a byte or BPE "
-                         "tokenizer (--tokenizer byte or --tokenizer bpe)")
+        raise SettingError(f"the {kind} tokenizer has no llama.cpp equivalent: train with a byte or BPE "
+                           "tokenizer ({t} byte or {t} bpe)", t="tokenizer")
     if len(tokens) > vocab_size:
         raise ValueError(f"the tokenizer has {len(tokens)} ids but the model only {vocab_size}")
     types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
@@ -282,7 +294,7 @@ def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExpo
     import gguf
 
     if kind not in GGUF_TYPES:
-        raise ValueError(f"--type {kind} is not one of: {', '.join(GGUF_TYPES)}")
+        raise SettingError(f"{{t}} {kind} is not one of: {', '.join(GGUF_TYPES)}", t="kind")
     checkpoint = load_checkpoint(run)
     require_architecture(architecture(checkpoint.model_config), run, "decoder")
     if ADAPTER in checkpoint.state:

@@ -28,6 +28,7 @@ from gptlab.checkpoint import (
     require_architecture,
     save_checkpoint,
 )
+from gptlab.config import SettingError
 from gptlab.files import atomic_write, atomic_write_text
 from gptlab.interop.families import Conversion, export_family
 from gptlab.interop.gpt2 import (
@@ -80,8 +81,8 @@ def export_hf(run: str | Path, out_dir: str | Path, adapter_only: bool = False) 
     if ADAPTER in checkpoint.state:
         return export_adapter_run(checkpoint, out_dir, adapter_only)
     if adapter_only:
-        raise ValueError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): export it "
-                         "without --adapter-only")
+        raise SettingError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): "
+                           "export it without {a}", a="adapter_only")
     return export_checkpoint(checkpoint, out_dir)
 
 

@@ -29,11 +29,12 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gptlab.config import SettingError
 from gptlab.inspection.attention_view import attention_maps
 from gptlab.model import GPT
 from gptlab.serve.batching import Scheduler
@@ -67,13 +68,14 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
 
     `allowed_hosts`: the Host names it answers to (None: any); `defaults`: sampling values (temperature,
     top_p, top_k) for the fields a request does not set, such as an imported model's generation_config;
-    `template`: the run's chat template (`adapt.chat.template_from_state`; default the native one)."""
+    `template`: the run's chat template (`text.chat_template.template_from_state`; default the native one)."""
     if not model.config.causal:
         raise ValueError("gptlab serve needs a causal model: causal=False is only for demonstrations")
     limits = limits or Limits()
     if limits.max_context is not None and limits.max_context > model.config.block_size:
-        raise ValueError(f"--max-context {limits.max_context} is more than the model's context window "
-                         f"({model.config.block_size}): give at most {model.config.block_size}")
+        raise SettingError(f"{{max_context}} {limits.max_context} is more than the model's context window "
+                           f"({model.config.block_size}): give at most {model.config.block_size}",
+                           max_context="max_context")
     unknown = set(defaults or {}) - set(SAMPLING_DEFAULTS)
     if unknown:
         raise ValueError(f"sampling defaults {sorted(unknown)} are not among {', '.join(SAMPLING_DEFAULTS)}")
@@ -81,85 +83,100 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
                           max_waiting=limits.max_waiting, prefill_chunk=limits.prefill_chunk)
     served = Served(model, tokenizer, name, scheduler, api_key, limits, max_choices=2 * max_batch,
                     created=int(time.time()), defaults=dict(defaults or {}))
-    chat = ChatServing.of(template or NativeTemplate(), tokenizer)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        served.scheduler.start()
-        yield
-        served.scheduler.close()
-
     # No /docs pages: they load scripts from a CDN, and nothing this server shows may fetch anything.
     app = FastAPI(title=f"gptlab: {name}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.served, app.state.chat = served, chat
+    app.state.served, app.state.chat = served, ChatServing.of(template or NativeTemplate(), tokenizer)
     app.add_middleware(Guard, allowed=allowed_hosts)  # inside Starlette's own fault handler, so it answers
     add_error_handlers(app)
-
-    @app.get("/", response_class=HTMLResponse)
-    async def page() -> HTMLResponse:
-        return HTMLResponse(playground(model.config, name, limits.max_tokens, api_key is not None,
-                                       chat.refusal()))
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        authorize(request, served)
-        return {"object": "list", "data": [model_card(served)]}
-
-    @app.get("/v1/models/{model_id}")
-    async def one_model(model_id: str, request: Request) -> dict[str, Any]:
-        authorize(request, served)
-        check_model(model_id, served)
-        return model_card(served)
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> JSONResponse | StreamingResponse:
-        authorize(request, served)
-        body = with_defaults(parse(CompletionRequest, await read_json(request)), served.defaults)
-        check_model(body.model, served)
-        return await respond(await start_completion(body, served), body.stream, request)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
-        authorize(request, served)
-        body = with_defaults(parse(ChatRequest, await read_json(request)), served.defaults)
-        check_model(body.model, served)
-        return await respond(start_chat(body, served, chat), body.stream, request)
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info(request: Request) -> dict[str, Any]:
-        authorize(request, served)
-        return tokenizer_card(served)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
-        authorize(request, served)
-        body = parse(TokenizeRequest, await read_json(request))
-        check_model(body.model, served)
-        try:
-            ids = tokenizer.encode(body.prompt) if body.add_special_tokens else \
-                tokenizer.encode_array(body.prompt).tolist()
-        except ValueError as err:
-            raise APIError(400, f"prompt: {err}", "prompt", "unencodable_prompt") from None
-        return {"count": len(ids), "max_model_len": served.max_context, "tokens": ids}
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> dict[str, Any]:
-        authorize(request, served)
-        body = parse(DetokenizeRequest, await read_json(request))
-        check_model(body.model, served)
-        bad = next((i for i in body.tokens if not 0 <= i < tokenizer.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is outside this model's vocabulary of "
-                           f"{tokenizer.vocab_size} tokens", "tokens", "invalid_token")
-        return {"prompt": tokenizer.decode(body.tokens)}
-
-    @app.post("/v1/attention")
-    async def attention(request: Request) -> dict[str, Any]:
-        authorize(request, served)
-        body = parse(AttentionRequest, await read_json(request))
-        return await attention_row(body, served, chat)
-
+    app.include_router(routes)
     return app
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The decode thread runs while the app does."""
+    app.state.served.scheduler.start()
+    yield
+    app.state.served.scheduler.close()
+
+
+# The routes read what they serve from the app's state: `served` (model, tokenizer, limits, decode thread)
+# and `chat` (the run's chat template).
+routes = APIRouter()
+
+
+@routes.get("/", response_class=HTMLResponse)
+async def page(request: Request) -> HTMLResponse:
+    served: Served = request.app.state.served
+    return HTMLResponse(playground(served.model.config, served.name, served.limits.max_tokens,
+                                   served.api_key is not None, request.app.state.chat.refusal()))
+
+
+@routes.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    served = authorize(request)
+    return {"object": "list", "data": [model_card(served)]}
+
+
+@routes.get("/v1/models/{model_id}")
+async def one_model(model_id: str, request: Request) -> dict[str, Any]:
+    served = authorize(request)
+    check_model(model_id, served)
+    return model_card(served)
+
+
+@routes.post("/v1/completions", response_model=None)
+async def completions(request: Request) -> JSONResponse | StreamingResponse:
+    served = authorize(request)
+    body = with_defaults(parse(CompletionRequest, await read_json(request)), served.defaults)
+    check_model(body.model, served)
+    return await respond(await start_completion(body, served), body.stream, request)
+
+
+@routes.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+    served = authorize(request)
+    body = with_defaults(parse(ChatRequest, await read_json(request)), served.defaults)
+    check_model(body.model, served)
+    return await respond(start_chat(body, served, request.app.state.chat), body.stream, request)
+
+
+@routes.get("/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    return tokenizer_card(authorize(request))
+
+
+@routes.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    served = authorize(request)
+    body = parse(TokenizeRequest, await read_json(request))
+    check_model(body.model, served)
+    try:
+        ids = served.tokenizer.encode(body.prompt) if body.add_special_tokens else \
+            served.tokenizer.encode_array(body.prompt).tolist()
+    except ValueError as err:
+        raise APIError(400, f"prompt: {err}", "prompt", "unencodable_prompt") from None
+    return {"count": len(ids), "max_model_len": served.max_context, "tokens": ids}
+
+
+@routes.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    served = authorize(request)
+    body = parse(DetokenizeRequest, await read_json(request))
+    check_model(body.model, served)
+    vocab_size = served.tokenizer.vocab_size
+    bad = next((i for i in body.tokens if not 0 <= i < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside this model's vocabulary of {vocab_size} tokens",
+                       "tokens", "invalid_token")
+    return {"prompt": served.tokenizer.decode(body.tokens)}
+
+
+@routes.post("/v1/attention")
+async def attention(request: Request) -> dict[str, Any]:
+    served = authorize(request)
+    body = parse(AttentionRequest, await read_json(request))
+    return await attention_row(body, served, request.app.state.chat)
 
 
 async def respond(job: Completion, stream: bool, request: Request) -> JSONResponse | StreamingResponse:
@@ -198,15 +215,18 @@ def api_error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
-def authorize(request: Request, served: Served) -> None:
-    """A 401 unless the server has no key or the request carries it as a bearer token."""
+def authorize(request: Request) -> Served:
+    """What the app serves; a 401 unless the server has no key or the request carries it as a bearer
+    token."""
+    served: Served = request.app.state.served
     if served.api_key is None:
-        return
+        return served
     given = request.headers.get("authorization", "")
     scheme, _, key = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), served.api_key.encode()):
         raise APIError(401, "missing or wrong API key: send the header `Authorization: Bearer KEY` with "
                        "the server's key", None, "invalid_api_key")
+    return served
 
 
 def check_model(name: str | None, served: Served) -> None:
@@ -274,9 +294,9 @@ async def attention_row(body: AttentionRequest, served: Served, chat: ChatServin
 
     try:
         maps = await asyncio.wrap_future(served.scheduler.call(compute))  # between two decode steps
-    except ValueError as err:
-        param = "layer" if "--layer" in str(err) else "head"
-        raise APIError(400, str(err).replace(f"--{param}", param), param, "invalid_value") from None
+    except ValueError as err:  # check_index's SettingError names the argument it refuses: layer or head
+        param = "layer" if "layer" in getattr(err, "settings", {}).values() else "head"
+        raise APIError(400, str(err), param, "invalid_value") from None
     return {"tokens": maps.labels, "bytes": [list(served.tokenizer.token_bytes(t)) for t in window],
             "weights": [round(float(w), 5) for w in maps.weights[0, 0, -1]],
             "layer": body.layer, "head": body.head, "dropped": len(ids) - len(window)}

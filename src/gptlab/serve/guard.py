@@ -23,6 +23,8 @@ from collections.abc import Awaitable, Callable, Collection, Mapping, MutableMap
 from pathlib import Path
 from typing import Any
 
+from gptlab.config import SettingError
+
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "[::1]"})
 API_KEY_VARIABLE = "GPTLAB_API_KEY"
 
@@ -57,24 +59,28 @@ def default_allowed_hosts(address: str) -> frozenset[str] | None:
     return frozenset({f"[{ip}]" if ip.version == 6 else str(ip)})
 
 
-def parse_allowed_hosts(value: str) -> frozenset[str] | None:
-    """`--allowed-hosts a,b:8000,[::1]` as a set of names; "*" accepts any."""
-    names = frozenset(host_name(part) for part in value.split(",") if part.strip())
+def parse_allowed_hosts(allowed_hosts: str) -> frozenset[str] | None:
+    """`a,b:8000,[::1]` (the serve command's --allowed-hosts) as a set of names; "*" accepts any."""
+    names = frozenset(host_name(part) for part in allowed_hosts.split(",") if part.strip())
     if not names:
-        raise ValueError("--allowed-hosts is empty: give names separated by commas, or * for any")
+        raise SettingError("{allowed_hosts} is empty: give names separated by commas, or * for any",
+                           allowed_hosts="allowed_hosts")
     return None if "*" in names else names
 
 
-def read_api_key(path: str | Path | None, environ: Mapping[str, str]) -> str | None:
-    """The key from the first line of `path` if given, else from $GPTLAB_API_KEY; None when neither is."""
-    if path is not None:
+def read_api_key(api_key_file: str | Path | None, environ: Mapping[str, str]) -> str | None:
+    """The key from the first line of `api_key_file` if given, else from $GPTLAB_API_KEY; None when neither
+    is."""
+    if api_key_file is not None:
         try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
+            lines = Path(api_key_file).read_text(encoding="utf-8").splitlines()
         except OSError as err:
-            raise ValueError(f"--api-key-file {path}: cannot read it ({err.strerror})") from None
+            raise SettingError(f"{{file}} {api_key_file}: cannot read it ({err.strerror})",
+                               file="api_key_file") from None
         first = lines[0].strip() if lines else ""
         if not first:
-            raise ValueError(f"--api-key-file {path} is empty: write the key on its first line")
+            raise SettingError(f"{{file}} {api_key_file} is empty: write the key on its first line",
+                               file="api_key_file")
         return first
     key = environ.get(API_KEY_VARIABLE)
     if key is not None and not key.strip():

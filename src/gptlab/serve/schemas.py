@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from gptlab.config import SamplingConfig
+from gptlab.config import SamplingConfig, SettingError
 
 MAX_LOGPROBS = 20  # OpenAI allows 5; more is an extension
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # the fields a model's own defaults may fill
@@ -47,11 +47,13 @@ class Limits:
                   "max_stop_chars": self.max_stop_chars, "prefill_chunk": self.prefill_chunk}
         for name, value in counts.items():
             if value < 1:
-                raise ValueError(f"--{name.replace('_', '-')}={value} must be at least 1")
+                raise SettingError(f"{{name}}={value} must be at least 1", name=name)
         if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"--max-context={self.max_context} must be at least 2 (a prompt and a token)")
+            raise SettingError(f"{{max_context}}={self.max_context} must be at least 2 (a prompt and a "
+                               "token)", max_context="max_context")
         if not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
-            raise ValueError(f"--request-timeout={self.request_timeout} must be a positive number of seconds")
+            raise SettingError(f"{{timeout}}={self.request_timeout} must be a positive number of seconds",
+                               timeout="request_timeout")
 
 
 class APIError(Exception):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.config import ModelConfig
+from gptlab.config import ModelConfig, SettingError
 from gptlab.kv_cache import kv_cache_bytes
 
 DEFAULT_MAX_BATCH = 64
@@ -60,8 +60,9 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, weights: int, available
     neither is given; a ValueError saying what to lower when given ones do not fit."""
     context = max_context or config.block_size
     if context > config.block_size:
-        raise ValueError(f"--max-context {context} is more than the model's context window "
-                         f"({config.block_size}): give at most {config.block_size}")
+        raise SettingError(f"{{max_context}} {context} is more than the model's context window "
+                           f"({config.block_size}): give at most {config.block_size}",
+                           max_context="max_context")
     batch = max_batch or DEFAULT_MAX_BATCH
     if available is None:
         return Plan(batch, context, kv_cache_bytes(config, batch, context, dtype), False)
@@ -73,9 +74,10 @@ def plan_memory(config: ModelConfig, dtype: torch.dtype, weights: int, available
     if need <= budget:
         return Plan(batch, context, need, False)
     tokens_fit = max(0, budget) // kv_cache_bytes(config, batch, 1, dtype)
-    fixes = ([f"--max-batch to {rows_fit}"] if rows_fit >= 1 else []) + (
-        [f"--max-context to {tokens_fit}"] if tokens_fit >= 2 else [])
-    advice = " or ".join(fixes) if fixes else "--max-batch and --max-context, or use a smaller --dtype"
-    raise ValueError(f"--max-batch {batch} x --max-context {context} needs {need / GB:.2f} GB of KV cache "
-                     f"besides {weights / GB:.2f} GB of weights, but {available / GB:.2f} GB is free "
-                     f"({HEADROOM:.0%} usable): lower {advice}")
+    fixes = ([f"{{max_batch}} to {rows_fit}"] if rows_fit >= 1 else []) + (
+        [f"{{max_context}} to {tokens_fit}"] if tokens_fit >= 2 else [])
+    advice = " or ".join(fixes) if fixes else "{max_batch} and {max_context}, or use a smaller {dtype}"
+    raise SettingError(f"{{max_batch}} {batch} x {{max_context}} {context} needs {need / GB:.2f} GB of KV "
+                       f"cache besides {weights / GB:.2f} GB of weights, but {available / GB:.2f} GB is free "
+                       f"({HEADROOM:.0%} usable): lower " + advice,
+                       max_batch="max_batch", max_context="max_context", dtype="dtype")

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+from gptlab.config import SettingError
+
 EOT = "<|endoftext|>"  # the end-of-text token: every trained vocabulary reserves it
 PIECE_CHARS = 1 << 16  # texts are encoded in pieces of about this many characters
 
@@ -81,8 +83,8 @@ def train_bpe_in_worker(text: str, vocab_size: int) -> str:
         lines = err.decode("utf-8", "replace").strip().splitlines()
         if worker.returncode < 0:  # the kernel's out-of-memory killer sends SIGKILL
             lines.append(f"killed by {signal.Signals(-worker.returncode).name}, perhaps out of memory")
-        raise ValueError(f"BPE training failed in its worker process ({(lines or ['no message'])[-1]}): "
-                         "try a smaller --vocab-size or less text")
+        raise SettingError(f"BPE training failed in its worker process ({(lines or ['no message'])[-1]}): "
+                           "try a smaller {v} or less text", v="vocab_size")
     return out.decode("utf-8")
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from gptlab.config import SettingError
 from gptlab.text.bpe import EOT, train_bpe_in_worker
 
 TOKENIZERS = ("char", "byte", "bpe", "gpt2")
@@ -338,19 +339,19 @@ def load_gpt2_encoding() -> Any:
     try:
         import tiktoken
     except ImportError:
-        raise ValueError(
+        raise SettingError(
             "the gpt2 tokenizer needs the tiktoken package: `pip install tiktoken` and run once with "
-            "internet to cache GPT-2's files, or use --tokenizer bpe"
+            "internet to cache GPT-2's files, or use {t} bpe", t="tokenizer",
         ) from None
     try:
         return tiktoken.get_encoding("gpt2")
     # tiktoken downloads the files on first use and fails with whatever the network layer raises
     # (requests or urllib errors, OSError, a hash-mismatch ValueError), so every failure is caught.
     except Exception as exc:
-        raise ValueError(
+        raise SettingError(
             f"tiktoken could not load GPT-2's encoding files ({type(exc).__name__}): run once with internet "
             "to cache them, or set TIKTOKEN_CACHE_DIR to a folder that holds them (tiktoken's default "
-            "cache is data-gym-cache in the temp folder); or use --tokenizer bpe"
+            "cache is data-gym-cache in the temp folder); or use {t} bpe", t="tokenizer",
         ) from exc
 
 
@@ -363,9 +364,9 @@ def check_tokenizer_args(kind: str, vocab_size: int | None) -> None:
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
         raise ValueError(f"vocab_size={vocab_size!r} must be a whole number: for example {DEFAULT_BPE_VOCAB}")
     if kind != "bpe":
-        raise ValueError(
+        raise SettingError(
             f"vocab_size={vocab_size} applies only to the bpe tokenizer; the {kind} tokenizer's "
-            "vocabulary is fixed by its kind or the text: drop vocab_size or use --tokenizer bpe"
+            "vocabulary is fixed by its kind or the text: drop vocab_size or use {t} bpe", t="tokenizer",
         )
     if vocab_size < MIN_BPE_VOCAB:
         raise ValueError(

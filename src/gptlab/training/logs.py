@@ -1,7 +1,8 @@
 """Per-run metrics: CSV logs that survive a kill and a resume, and the loss-curve picture drawn from them.
 
 `metrics.csv` holds a row per evaluation (MetricsLog) and `steps.csv` a row per optimiser step (see
-gptlab.training.sinks); `loss.png` draws both: every step's training loss, raw and smoothed, under the evaluations.
+gptlab.training.sinks); `loss.png` draws both: every step's training loss, raw and smoothed, under the
+evaluations.
 """
 
 from __future__ import annotations

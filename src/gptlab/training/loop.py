@@ -2,7 +2,7 @@
 
 AdamW with weight decay on matrices only, linear warm-up then a cosine or trapezoidal decay, gradient
 clipping and accumulation, bfloat16 autocast where it is faster. A run folder holds `config.json`,
-`metrics.csv` (a row per evaluation), `steps.csv` (a row per step), `loss.png`, the dashboards `--log`
+`metrics.csv` (a row per evaluation), `steps.csv` (a row per step), `loss.png`, the dashboards `log`
 asks for (gptlab.training.sinks) and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
 the step and every random state, so N steps in one go and N/2 + resume + N/2 give identical weights.
 Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once. A progress
@@ -16,95 +16,55 @@ Under torchrun every process runs this same loop (see distributed.py): each step
 batch of `batch_size` windows from the shared sampler and each rank trains on its own slice, so the
 run computes what one process with the whole batch would (to rounding, and without dropout: each
 rank draws its own dropout masks), and only rank 0 logs and writes files.
+
+The run folder, its start-up checks and config.json are gptlab.training.runs; continuing a run is
+gptlab.training.resume.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import math
-import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gptlab import sharded
 from gptlab.checkpoint import (
     BEST,
     LAST,
     Checkpoint,
     architecture,
-    data_folder,
-    has_checkpoint,
     load_checkpoint,
-    load_header,
     new_model,
     portable,
     require_architecture,
     save_to_run,
 )
 from gptlab.common import autocast, on_terminal, resolve_precision, seed_everything
-from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig, flag
-from gptlab.data.prepare import prepare
+from gptlab.config import ModelConfig, Seq2SeqConfig, SettingError, TaskConfig, TrainConfig
 from gptlab.data.tokens import TokenData
-from gptlab.files import RunLock, atomic_write_text, remove_stale_temporaries
 from gptlab.inspection.history import head_columns, head_metrics, head_summary
 from gptlab.model import GPT
 from gptlab.seq2seq.model import EncoderDecoder
 from gptlab.seq2seq.tasks import TaskData
-from gptlab.text.tokenizer import Tokenizer
-from gptlab.training import distributed, machine, sinks
+from gptlab.training import distributed, sinks
 from gptlab.training.curriculum import batch_size_at, block_size_at
 from gptlab.training.logs import MetricsLog, plot_losses
 from gptlab.training.optim import learning_rate, make_optimizer, set_learning_rate
-from gptlab.training.presets import Layer
+from gptlab.training.runs import TrainingData, prepare_for_run, run_folder, start_run
 
 log = logging.getLogger("gptlab.training.loop")
 
 
-class TrainingData(Protocol):
-    """What the loop needs of its examples (TokenData for text, TaskData for a seq2seq task)."""
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    @property
-    def metric_names(self) -> tuple[str, ...]:
-        """The columns `metrics` adds to metrics.csv."""
-
-    def check_window(self, block_size: int) -> None: ...
-
-    def get_batch(self, split: str, batch_size: int, block_size: int,
-                  generator: torch.Generator) -> tuple[torch.Tensor, ...]:
-        """The model's inputs, then its targets (-1 where nothing is scored); all (batch_size, ...)."""
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps to rebuild this data source (see `data_from_state`)."""
-
-    def metrics(self, model: torch.nn.Module, losses: dict[str, float], seed: int,
-                device: torch.device) -> Mapping[str, float | str]: ...
-
-
-def data_from_state(state: dict[str, Any], run_dir: Path) -> TrainingData:
-    """The data source a checkpoint in `run_dir` was trained on."""
-    if "sft" in state:  # its source is rebuilt by gptlab.adapt.finetune, which builds on this module
-        raise ValueError(f"{run_dir} is a fine-tuning run: continue it with gptlab finetune ... --out "
-                         f"{run_dir} --resume")
-    return TaskData(TaskConfig.from_dict(state["task"])) if "task" in state else TokenData(
-        data_folder(run_dir, state))
-
-
-class TrainingDiverged(ValueError):
+class TrainingDiverged(SettingError):
     """The loss became NaN or infinite; the weights of the last checkpoint are kept."""
 
 
@@ -205,7 +165,8 @@ class Trainer:
     """One training run: the model, optimiser, data stream and counters, restorable from a checkpoint.
 
     `config` is the model's config and `train_config` the training's. The process group of a torchrun
-    launch (`dist`, `device`) is joined by the caller, `train` or `resume`.
+    launch (`dist`, `device`) is joined by the caller, `train` or `resume`, which also checks first that
+    the settings go together there (`runs.check_settings`).
     """
 
     def __init__(self, run_dir: Path, data: TrainingData, config: ModelConfig, train_config: TrainConfig,
@@ -223,21 +184,6 @@ class Trainer:
         self.config, self.train_config = config, train_config
         self.dist, self.device = dist, device
         self.progress = progress and dist.is_main and on_terminal()  # else the evaluation lines alone
-        if train_config.batch_size % dist.world_size:
-            raise ValueError(
-                f"batch_size={train_config.batch_size} is not divisible by the {dist.world_size} "
-                f"processes: choose a multiple of {dist.world_size}"
-            )
-        if train_config.track_heads and architecture(config) != "decoder":
-            raise ValueError("--track-heads scores a GPT's self-attention heads; it is not offered for "
-                             "seq2seq runs")
-        if train_config.track_heads and train_config.parallel == "fsdp" and dist.world_size > 1:
-            raise ValueError("--track-heads runs the whole model on the main process, which --parallel fsdp "
-                             "shards: use --parallel ddp")
-        sinks.check_installed(train_config.log)  # a missing package stops every rank before any work
-        if train_config.seq_warmup and architecture(config) != "decoder":
-            raise ValueError("--seq-warmup grows the windows of text runs; a task's examples have their own "
-                             "lengths: leave it at 0 for seq2seq runs")
         self.dtype = resolve_precision(train_config.precision, device, config.n_embd)
         self.shard = saves_shards(train_config, dist.world_size)
         seed_everything(train_config.seed)
@@ -345,8 +291,8 @@ class Trainer:
         if not math.isfinite(total):
             raise TrainingDiverged(
                 f"the training loss became {total} at step {self.step}; stopped without saving, so "
-                f"{self.run_dir / LAST} still holds the last good weights: lower --lr (now {cfg.lr}) "
-                "or use --precision float32"
+                f"{self.run_dir / LAST} still holds the last good weights: lower {{lr}} (now {cfg.lr}) "
+                "or use {precision} float32", lr="TrainConfig.lr", precision="TrainConfig.precision"
             )
         if cfg.grad_clip > 0:  # it returns the norm it measured before clipping
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
@@ -395,7 +341,7 @@ class Trainer:
         # untouched, so a run with --track-heads resumes as exactly as one without.
         heads = {}
         if self.train_config.track_heads:
-            assert isinstance(model, GPT), "__init__ refuses --track-heads for other models"
+            assert isinstance(model, GPT), "runs.check_settings refuses track_heads for other models"
             heads = head_metrics(model, self.train_config.seed + 3)
         self.model.train()
         self.metrics.append(
@@ -498,20 +444,10 @@ def train(run_dir: str | Path, data: str | Path, model_config: ModelConfig, trai
             raise ValueError(f"{data} was prepared with another tokenizer than {init_from}'s: give the text "
                              "itself as the data, and it is prepared with the checkpoint's tokenizer")
         model_config = model_config.replace(vocab_size=token_data.tokenizer.vocab_size)
-        return start_run(run_dir, token_data, model_config, train_config, dist, device, stop_at, progress,
-                         start)
-
-
-def prepare_for_run(source: str | Path, run_dir: Path, tokenizer: str | Tokenizer, vocab_size: int | None,
-                    is_main: bool, progress: bool) -> Path:
-    """Prepare text into RUN/data on the main process while the others wait; the prepared folder."""
-    if is_main:
-        which = f"the {tokenizer}" if isinstance(tokenizer, str) else "the checkpoint's"
-        log.info(f"preparing {source} with {which} tokenizer into {run_dir / 'data'}")
-        prepare(str(source), run_dir / "data", tokenizer=tokenizer, vocab_size=vocab_size,
-                progress=progress and on_terminal())
-    distributed.barrier()  # under torchrun the other ranks wait for rank 0's data
-    return run_dir / "data"
+        train_config = start_run(run_dir, token_data, model_config, train_config, dist, device)
+        trainer = Trainer(run_dir, token_data, model_config, train_config, dist, device, progress=progress,
+                          init_from=start)
+        return trainer.run(stop_at)
 
 
 def train_seq2seq(run_dir: str | Path, task_config: TaskConfig, model_config: Seq2SeqConfig,
@@ -520,225 +456,12 @@ def train_seq2seq(run_dir: str | Path, task_config: TaskConfig, model_config: Se
     """Start a new encoder-decoder run in `run_dir` on a built-in task; the vocabulary is the task's."""
     run_dir = Path(run_dir)
     if train_config.parallel == "fsdp":
-        raise ValueError("--parallel fsdp is not offered for seq2seq runs (exact-match decoding needs the "
-                         "whole model on each process): use --parallel ddp")
+        raise SettingError("{parallel} fsdp is not offered for seq2seq runs (exact-match decoding needs the "
+                           "whole model on each process): use {parallel} ddp",
+                           parallel="TrainConfig.parallel")
     data = TaskData(task_config)
     model_config = model_config.replace(vocab_size=data.tokenizer.vocab_size, pad_id=0)
     with run_folder(run_dir, new=True), distributed.session(train_config.device) as (dist, device):
-        return start_run(run_dir, data, model_config, train_config, dist, device, stop_at, progress)
-
-
-@contextlib.contextmanager
-def run_folder(run_dir: Path, new: bool) -> Iterator[None]:
-    """Hold the run folder's lock for the whole run (the main process writes every file).
-
-    Under the lock: a new run refuses a folder holding a run or other files, temporary files that a
-    killed save left are removed, and a new run that fails before its first checkpoint takes its
-    folder away again, so nothing half-written is left.
-    """
-    if not distributed.this_process().is_main:
-        yield
-        return
-    created = not run_dir.exists()
-    with RunLock(run_dir):
-        if new:
-            check_new_run(run_dir)
-        remove_stale_temporaries(run_dir)
-        sharded.remove_unnamed(run_dir)  # sharded saves a kill interrupted
-        try:
-            yield
-        except BaseException:
-            if created and not has_checkpoint(run_dir, LAST):
-                shutil.rmtree(run_dir, ignore_errors=True)
-            raise
-
-
-def check_new_run(run_dir: Path) -> None:
-    """Refuse to start a run in a folder that holds one, or that holds files and is not a gptlab run."""
-    if has_checkpoint(run_dir, LAST):
-        raise ValueError(f"{run_dir} already holds a run: continue it with --resume, or choose another --out")
-    if is_run_folder(run_dir):
-        return  # a run that was stopped before its first checkpoint: start it again
-    if run_dir.is_dir() and any(p.name != RunLock.NAME for p in run_dir.iterdir()):
-        raise ValueError(f"{run_dir} is not empty and is not a gptlab run folder: choose a new or empty "
-                         "--out (nothing in it was changed)")
-
-
-def is_run_folder(path: Path) -> bool:
-    """Whether `path` holds a gptlab run: a checkpoint, or the config.json a run writes first."""
-    if has_checkpoint(path):
-        return True
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and {"model", "train"} <= set(config)
-
-
-def start_run(run_dir: Path, data: TrainingData, model_config: ModelConfig, train_config: TrainConfig,
-              dist: distributed.Dist, device: torch.device, stop_at: int | None, progress: bool,
-              init_from: Checkpoint | None = None) -> TrainResult:
-    """Check the window, decide what depends on this machine, write config.json (rank 0), and train."""
-    data.check_window(model_config.block_size)
-    train_config, machine_record = decide_for_machine(model_config, train_config, dist, device)
-    if dist.is_main:
-        write_run_config(run_dir, model_config, train_config, data, machine_record)
-    trainer = Trainer(run_dir, data, model_config, train_config, dist, device, progress=progress,
-                      init_from=init_from)
-    return trainer.run(stop_at)
-
-
-def decide_for_machine(model_config: ModelConfig, train_config: TrainConfig, dist: distributed.Dist,
-                       device: torch.device) -> tuple[TrainConfig, dict[str, Any]]:
-    """A new run's precision made concrete (an "auto" is probed once, on rank 0, and every rank takes its
-    answer) and Muon's, the decisions line logged, and config.json's "machine" entry (gptlab.training.machine)."""
-    auto = train_config.precision == "auto"
-    rows = max(1, train_config.batch_size // dist.world_size)  # one rank's micro-batch
-    precision = machine.Decision("precision", "", "rank 0 decides")  # logged and saved by rank 0 only
-    if dist.is_main:
-        precision = machine.decide_precision(train_config.precision, device, model_config, rows)
-    if auto:
-        bfloat16 = float(precision.value == "bfloat16")
-        shared = distributed.all_reduce_sum([bfloat16], device)[0] > 0  # rank 0's answer, on every rank
-        train_config = train_config.replace(precision="bfloat16" if shared else "float32")
-    decisions = [precision, machine.decide_threads()]
-    if train_config.optimizer == "muon":  # rank 0's answer on every rank, so the replicas stay equal
-        muon = machine.decide_muon_precision(train_config.muon_precision, device)
-        float32 = float(dist.is_main and muon.value == "float32")
-        shared = distributed.all_reduce_sum([float32], device)[0] > 0
-        train_config = train_config.replace(muon_precision="float32" if shared else "bfloat16")
-        decisions.insert(1, muon)
-    log.info(machine.describe(decisions, auto))  # rank 0's line: the others log warnings only
-    return train_config, machine.record(decisions)
-
-
-def write_run_config(run_dir: Path, model_config: ModelConfig, train_config: TrainConfig,
-                     data: TrainingData, machine_record: dict[str, Any] | None = None) -> None:
-    """The resolved settings as readable JSON beside the checkpoints, with what was decided for the
-    machine the run started on (`machine_record`, when known)."""
-    resolved = {"model": model_config.to_dict(), "train": train_config.to_dict(),
-                **({"machine": machine_record} if machine_record else {}), **portable(data.state(), run_dir)}
-    atomic_write_text(run_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
-
-
-def saved_machine(run_dir: Path) -> dict[str, Any] | None:
-    """The "machine" entry of a run's config.json, kept when a resumed run rewrites the file."""
-    try:
-        return json.loads((run_dir / "config.json").read_text(encoding="utf-8")).get("machine")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-# What `resume` may change: how long the run goes on, where it runs and where its metrics go, never
-# what it computes.
-RESUMABLE = ("max_steps", "save_every", "device", "compile", "log", "checkpoint_format")
-
-
-def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,
-           expect: str | None = None, changes: dict[str, Any] | None = None,
-           data: str | Path | None = None) -> TrainResult:
-    """Continue the run in `run_dir` exactly where its last checkpoint left off.
-
-    `changes` may set the RESUMABLE training fields: a larger `max_steps` extends the run, keeping the
-    learning-rate schedule of its first max_steps and holding min_lr after it. `data` points a moved
-    run at its prepared folder (the same tokenizer). `expect` ("decoder" or "encoder-decoder") refuses
-    a run of the other architecture with a pointer to the right commands.
-    """
-    run_dir = Path(run_dir)
-    with run_folder(run_dir, new=False):
-        saved = load_header(run_dir, prefer=LAST).train_config
-        # A sharded run reads only its own shards; any other reads whole tensors.
-        lazy = distributed.this_process().world_size > 1 and saved is not None and saved.parallel == "fsdp"
-        checkpoint = load_checkpoint(run_dir, prefer=LAST, lazy=lazy)
-        if expect is not None:
-            require_architecture(architecture(checkpoint.model_config), run_dir, expect)
-        check_resumable(checkpoint, run_dir)
-        train_config = extended(checkpoint, changes or {})
-        if data is None:
-            source = data_from_state(checkpoint.state, run_dir)
-        else:
-            source = TokenData(data)
-            if source.tokenizer.to_dict() != checkpoint.tokenizer:
-                raise ValueError(f"{data} was prepared with another tokenizer than the run's: give --data "
-                                 "the prepared folder the run was trained on")
-        if train_config != checkpoint.train_config or data is not None:
-            checkpoint.train_config = train_config
-            if distributed.this_process().is_main:
-                write_run_config(run_dir, checkpoint.model_config, train_config, source,
-                                 saved_machine(run_dir))
-        with distributed.session(train_config.device) as (dist, device):
-            trainer = Trainer(run_dir, source, checkpoint.model_config, train_config, dist, device,
-                              checkpoint, progress)
-            return trainer.run(stop_at)
-
-
-def check_resumable(checkpoint: Checkpoint, run_dir: Path) -> None:
-    """Refuse a checkpoint that holds no training state, or weights gptlab did not train in float32."""
-    if checkpoint.train_config is None or checkpoint.optimizer_state is None:
-        raise ValueError(f"{run_dir} holds weights but no training state (an imported model?): "
-                         "there is nothing to resume; start a new run instead")
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in checkpoint.model_state.values()}
-    if dtypes != {"float32"}:
-        raise ValueError(f"{checkpoint.source} holds {', '.join(sorted(dtypes))} weights, but a run resumes "
-                         "only from the float32 checkpoints gptlab's training writes: start a new run from "
-                         f"these weights with --init-from {checkpoint.source}")
-
-
-def refuse_changes(changes: list[str]) -> None:
-    """A resumed run continues as it was saved: refuse, by name, every option that would change it
-    (`changes` names each, with the run's value and the new one where known)."""
-    if changes:
-        free = ", ".join(map(flag, RESUMABLE))
-        raise ValueError(f"--resume continues the run as it was saved: {'; '.join(changes)} would change it "
-                         f"(options equal to the run's values are accepted; only {free} may differ); start a "
-                         "new run, or fine-tune from this one with --init-from")
-
-
-def change(option: str, name: str, old: Any, new: Any) -> str:
-    """How `refuse_changes` names one option: `--lr (lr 0.003 -> 0.1)`."""
-    return f"{option} ({name} {old} -> {new})"
-
-
-def resume_changes(checkpoint: Checkpoint, layers: Sequence[Layer]) -> tuple[dict[str, Any], list[str]]:
-    """What options given with --resume (`presets.config_layers`) would do to the saved run: the RESUMABLE
-    training fields that their own options change, and one description per option that would change
-    anything else. Values are compared as the configs hold them, so `--lr 3e-3` equals a saved 0.003."""
-    assert checkpoint.train_config is not None, "check_resumable first"
-    configs = {"model": checkpoint.model_config, "train": checkpoint.train_config}
-    given: dict[tuple[str, str], str] = {}  # (section, field) -> the last option that sets it
-    merged: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
-    for option, layer in layers:
-        for section, values in layer.items():
-            values = {k: v for k, v in values.items() if k != "vocab_size"}  # the tokenizer's, never given
-            merged[section].update(values)
-            given.update({(section, name): option for name in values})
-    saved = {section: config.to_dict() for section, config in configs.items()}
-    resolved = {section: type(config).from_dict({**saved[section], **merged[section]}).to_dict()
-                for section, config in configs.items()}
-    changes: dict[str, Any] = {}
-    refused: dict[str, list[str]] = {}
-    for (section, name), option in given.items():
-        old, new = saved[section][name], resolved[section][name]
-        if old == new:
-            continue
-        if section == "train" and name in RESUMABLE and option == flag(name):
-            changes[name] = new
-        else:
-            refused.setdefault(option, []).append(f"{name} {old} -> {new}")
-    return changes, [f"{option} ({', '.join(parts)})" for option, parts in refused.items()]
-
-
-def extended(checkpoint: Checkpoint, changes: dict[str, Any]) -> TrainConfig:
-    """The run's training config with the RESUMABLE `changes`; a value equal to the run's is no change,
-    and any other difference is refused, by name."""
-    assert checkpoint.train_config is not None, "check_resumable first"
-    old, step = checkpoint.train_config, checkpoint.state["step"]
-    changes = {name: value for name, value in changes.items() if getattr(old, name) != value}
-    refuse_changes([change(flag(name), name, getattr(old, name), value)
-                    for name, value in sorted(changes.items()) if name not in RESUMABLE])
-    max_steps = changes.get("max_steps", old.max_steps)
-    if "max_steps" in changes and max_steps <= step:
-        raise ValueError(f"the run is at step {step}: --max-steps must be larger than that to extend it")
-    if max_steps != old.max_steps:  # the first run's schedule stays; min_lr holds after it
-        changes = {**changes, "decay_steps": old.decay_steps or old.max_steps}
-    return old.replace(**changes)
+        train_config = start_run(run_dir, data, model_config, train_config, dist, device)
+        trainer = Trainer(run_dir, data, model_config, train_config, dist, device, progress=progress)
+        return trainer.run(stop_at)

@@ -14,6 +14,10 @@ The probe stays short (1 warm-up and 3 timed passes in each precision): a pass d
 of work, at fewer rows than the run's micro-batch where needed. A model too large for one row within
 that, or whose first timed pass is slower than MAX_PASS_S, is not probed: common.resolve_precision's
 width rule, measured on one machine, decides instead.
+
+`decide` is the one entry point: a new run (gptlab.training.runs) and a comparison
+(gptlab.experiments.compare) both call it, and a comparison shares the cores among its runs here too
+(`share_cores`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +35,7 @@ import torch
 
 from gptlab.checkpoint import architecture, new_model
 from gptlab.common import autocast, cpu_has_bf16_matmul, cpu_name, resolve_precision
-from gptlab.config import ModelConfig, Seq2SeqConfig
+from gptlab.config import ModelConfig, Seq2SeqConfig, SettingError
 
 WARMUP_PASSES, TIMED_PASSES = 1, 3  # per precision, alternating; the median of the timed ones is compared
 # Work per probe pass at most, in floating-point operations (6 x parameters x tokens): the speedrun
@@ -165,6 +169,54 @@ def decide_threads() -> Decision:
     given = os.environ.get("OMP_NUM_THREADS")
     why = f"OMP_NUM_THREADS={given}" if given else "torch's count (one per physical core unless set)"
     return Decision("threads", str(count), why)
+
+
+def decide(device: torch.device, model_config: ModelConfig, rows: int, *, precision: str | None,
+           muon_precision: str | None = None, threads: int | None = None,
+           earlier: Mapping[str, Any] | None = None) -> list[Decision]:
+    """What this machine is fast at: the precision (None: not asked; "auto" probed on `model_config` at
+    `rows` sequences a pass), Muon's Newton-Schulz precision (None: no Muon), then the threads: `threads`,
+    each run's share of the cores (the probe runs with them), or None for torch's count, reported.
+
+    A precision that `earlier` (a "machine" record, as `record` writes it) holds is kept, not decided
+    again."""
+    earlier = earlier or {}
+
+    def kept(name: str) -> Decision | None:
+        if name not in earlier:
+            return None
+        entry = earlier[name]
+        return Decision(name, entry["value"], entry["why"], entry.get("ms_per_step", {}))
+
+    decisions = []
+    if precision is not None:
+        decisions.append(kept("precision")
+                         or decide_precision(precision, device, model_config, rows, threads))
+    if muon_precision is not None:
+        decisions.append(kept("muon_precision") or decide_muon_precision(muon_precision, device))
+    decisions.append(decide_threads() if threads is None
+                     else Decision("threads", str(threads), "each run's share of the cores"))
+    return decisions
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_jobs(n_cores: int) -> int:
+    """Runs trained at once by default: one per core. Small models use a second thread poorly: two speedrun
+    runs took 79 s as 2 jobs of 1 thread and 90 s as 1 job of 2 (2-core AMD EPYC, 2026-12-02)."""
+    return max(1, n_cores)
+
+
+def share_cores(jobs: int | None) -> tuple[int, int]:
+    """The runs trained at once (`jobs`; default: `default_jobs`) and the threads each gets."""
+    n = cores()
+    jobs = default_jobs(n) if jobs is None else jobs
+    if jobs < 1:
+        raise SettingError(f"{{jobs}} {jobs} must be at least 1", jobs="jobs")
+    return jobs, max(1, math.floor(n / jobs))
 
 
 def describe(decisions: list[Decision], auto: bool) -> str:

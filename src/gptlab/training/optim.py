@@ -94,7 +94,8 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> Optimizer | Optimiz
     # Keller Jordan's scaling ("original"); no weight decay on Muon's matrices.
     muon = BatchedMuon(hidden, lr=config.muon_lr, weight_decay=0.0, nesterov=config.muon_nesterov,
                        ns_steps=config.muon_ns_steps, adjust_lr_fn="original")
-    # "auto" is decided when a run starts (gptlab.training.machine); one still "auto" began before the choice existed.
+    # "auto" is decided when a run starts (gptlab.training.machine); one still "auto" began before the
+    # choice existed.
     ns_dtype = torch.float32 if config.muon_precision == "float32" else torch.bfloat16
     for group in muon.param_groups:
         group["lr_scale"] = config.muon_lr / config.lr

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.config import ModelConfig, TrainConfig, flag
+from gptlab.config import ModelConfig, TrainConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -88,30 +88,33 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     return table
 
 
-# One layer of settings: the option that gives it ("--preset demo", "--lr") and the fields it sets.
-Layer = tuple[str, dict[str, dict[str, Any]]]
+# One layer of settings: the setting that gives it, as Python names it (`TrainConfig.lr`, or the argument
+# `preset` or `toml_path`), what follows that name when the layer is named (" demo"), and the fields it sets.
+Layer = tuple[str, str, dict[str, dict[str, Any]]]
 
 
 def config_layers(preset: str | None = None, toml_path: str | Path | None = None,
                   model_overrides: dict[str, Any] | None = None,
                   train_overrides: dict[str, Any] | None = None) -> list[Layer]:
-    """The settings `resolve_configs` layers, in order, each named by the option that gives it (one layer
-    per command-line option), so that a resumed run can name the option that would change it."""
+    """The settings `resolve_configs` layers, in order, each named by the setting that gives it (one layer
+    per overriding field), so that a resumed run can name the setting that would change it."""
     table = read_toml(toml_path) if toml_path else {}
     layers: list[Layer] = []
     if preset is None and table.get("preset") is not None:
-        preset, named = table["preset"], f"--config {toml_path} (preset {table['preset']})"
+        preset, named = table["preset"], ("toml_path", f" {toml_path} (preset {table['preset']})")
     else:
-        named = f"--preset {preset}"
+        named = ("preset", f" {preset}")
     if preset is not None:
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-        layers.append((named, PRESETS[preset]))
+        layers.append((*named, PRESETS[preset]))
     if toml_path:
         tables = {"model": table.get("model", {}), "train": table.get("train", {})}
-        layers.append((f"--config {toml_path}", tables))
-    for section, overrides in (("model", model_overrides), ("train", train_overrides)):
-        layers += [(flag(name), {section: {name: value}}) for name, value in (overrides or {}).items()]
+        layers.append(("toml_path", f" {toml_path}", tables))
+    for section, owner, overrides in (("model", "ModelConfig", model_overrides),
+                                      ("train", "TrainConfig", train_overrides)):
+        layers += [(f"{owner}.{name}", "", {section: {name: value}})
+                   for name, value in (overrides or {}).items()]
     return layers
 
 
@@ -120,7 +123,7 @@ def resolve_configs(preset: str | None = None, toml_path: str | Path | None = No
                     train_overrides: dict[str, Any] | None = None) -> tuple[ModelConfig, TrainConfig]:
     """Layer defaults, a preset, a TOML file and explicit overrides into validated configs."""
     merged: dict[str, dict[str, Any]] = {"model": {}, "train": {}}
-    for _, layer in config_layers(preset, toml_path, model_overrides, train_overrides):
+    for _, _, layer in config_layers(preset, toml_path, model_overrides, train_overrides):
         for section, values in layer.items():
             merged[section].update(values)
     return ModelConfig.from_dict(merged["model"]), TrainConfig.from_dict(merged["train"])

@@ -24,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
-from gptlab.config import LOGS
+from gptlab.config import LOGS, SettingError
 from gptlab.files import atomic_write_text
 from gptlab.training.logs import CsvLog
 
@@ -45,15 +45,17 @@ class Sink(Protocol):
 
 
 def require(name: str) -> ModuleType:
-    """The module that `--log name` needs; a missing package is one line that says how to install it."""
+    """The module that the `log` destination `name` needs; a missing package is one line that says how to
+    install it."""
     try:
         return importlib.import_module(MODULES[name])
     except ImportError:
-        raise ValueError(f"--log {name} needs the {name} package: pip install 'gptlab[{name}]'") from None
+        raise SettingError(f"{{log}} {name} needs the {name} package: pip install 'gptlab[{name}]'",
+                           log="TrainConfig.log") from None
 
 
 def check_installed(names: Sequence[str]) -> None:
-    """Refuse, before any training, a --log choice whose package is missing (on every rank alike)."""
+    """Refuse, before any training, a `log` destination whose package is missing (on every rank alike)."""
     for name in names:
         require(name)
 
@@ -120,8 +122,9 @@ class WeightsAndBiases:
                                   name=str(run_dir), config=dict(configs), id=run_id, resume="allow",
                                   settings=wandb.Settings(silent=True, console="off"))
         except wandb.errors.Error as err:
-            raise ValueError(f"--log wandb could not start a W&B run: {str(err).rstrip('.')}; or set "
-                             "WANDB_MODE=offline to keep it on disk, for `wandb sync` later") from None
+            raise SettingError(f"{{log}} wandb could not start a W&B run: {str(err).rstrip('.')}; or set "
+                               "WANDB_MODE=offline to keep it on disk, for `wandb sync` later",
+                               log="TrainConfig.log") from None
         self.run.define_metric("*", step_metric="step")  # resumed steps plot at their own step
         atomic_write_text(id_file, self.run.id + "\n")
         where = (f"offline in {self.run.settings.sync_dir} (upload: wandb sync {self.run.settings.sync_dir})"

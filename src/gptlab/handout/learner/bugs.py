@@ -124,7 +124,8 @@ def bug_named(name: str) -> Bug:
 
 def reference_text() -> str:
     """The correct learner-style implementation, gallery/reference.py."""
-    return importlib.resources.files("gptlab.handout.learner").joinpath("gallery/reference.py").read_text("utf-8")
+    package = importlib.resources.files("gptlab.handout.learner")
+    return package.joinpath("gallery/reference.py").read_text("utf-8")
 
 
 def bug_text(name: str) -> str:

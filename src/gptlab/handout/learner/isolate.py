@@ -5,8 +5,8 @@ without bound, a crash, a call to exit() or a wrong return shape becomes one lin
 problem, but the learner's code runs with your rights and can read, write or delete whatever you can.
 Check only code you would run yourself, or run `gptlab check` inside a container or a throw-away account.
 
-The child is `python -m gptlab.handout.learner.isolate`, started in the learner's folder with a new session (so
-that the whole group can be killed), no stdin, CUDA hidden (the checks run on the CPU; CUDA would also
+The child is `python -m gptlab.handout.learner.isolate`, started in the learner's folder with a new session
+(so that the whole group can be killed), no stdin, CUDA hidden (the checks run on the CPU; CUDA would also
 reserve address space far beyond any limit) and matplotlib drawing off-screen. It imports torch and the
 checks first, then caps its address space (RLIMIT_AS, Linux) at what that import took plus `memory_mb`,
 so the limit is the learner's share whatever torch's build maps (measured with torch 2.13's CPU build:
@@ -66,7 +66,8 @@ def check_file(path: Path, names: Names, timeout_s: float = 60, memory_mb: int =
         request = {"path": str(path.resolve()), "shown": str(path), "result": str(result),
                    "names": dataclasses.asdict(names), "memory_mb": memory_mb}
         child = subprocess.Popen(
-            [sys.executable, "-m", "gptlab.handout.learner.isolate", json.dumps(request)], cwd=path.resolve().parent,
+            [sys.executable, "-m", "gptlab.handout.learner.isolate", json.dumps(request)],
+            cwd=path.resolve().parent,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"},
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             start_new_session=True)

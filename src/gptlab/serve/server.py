@@ -1,0 +1,68 @@
+"""A run served as `gptlab serve` serves it, for Python callers too: the app for a run folder
+(`app_for_run`: its model loaded and held as asked, the batch sized to the free memory, its sampling
+defaults and chat template), a socket bound to an address (`listen`) and uvicorn serving the app on it
+(`run_app`). `app.create_app` is the app for a model already in memory."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from gptlab.checkpoint import generation_defaults, load_for_inference, load_header
+from gptlab.common import resolve_device
+from gptlab.serve.app import create_app
+from gptlab.serve.guard import LOOPBACK_NAMES
+from gptlab.serve.schemas import SAMPLING_DEFAULTS, Limits
+from gptlab.serve.sizing import Plan, available_memory, plan_memory, weights_bytes
+from gptlab.text.chat_template import template_from_state
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+
+@dataclass(frozen=True)
+class ServedRun:
+    """A run's app, the name it serves the model under, and the batch and context it holds (`plan`)."""
+
+    app: FastAPI
+    name: str
+    plan: Plan
+
+
+def app_for_run(run: str | Path, device: str = "cpu", dtype: str = "float32", quantize: str = "none", *,
+                api_key: str | None = None, max_batch: int | None = None, limits: Limits | None = None,
+                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES) -> ServedRun:
+    """The app serving a run folder or checkpoint, named after its folder, its weights held in `dtype` or
+    quantised (`checkpoint.load_for_inference`). `max_batch` None: the largest batch up to 64 that fits in
+    the memory free before loading (`sizing.plan_memory`); the run's own sampling defaults (an imported
+    model's generation_config.json) fill what a request leaves out, and its chat template renders chats."""
+    limits = limits or Limits()
+    torch_device = resolve_device(device)
+    free = available_memory(torch_device)  # before the weights take their share
+    model, tokenizer = load_for_inference(run, torch_device, dtype, quantize)
+    plan = plan_memory(model.config, next(model.parameters()).dtype, weights_bytes(model), free,
+                       max_batch, limits.max_context)
+    name = Path(run).resolve().name
+    # max_tokens stays OpenAI's default: only the sampling fields take the run's own defaults.
+    defaults = {k: v for k, v in generation_defaults(run).items() if k in SAMPLING_DEFAULTS}
+    template = template_from_state(load_header(run).state)
+    app = create_app(model, tokenizer, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
+                     allowed_hosts=allowed_hosts, defaults=defaults, template=template)
+    return ServedRun(app, name, plan)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host` (IPv4 or IPv6) and `port` now, so that port 0 picks a free one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
+
+
+def run_app(app: FastAPI, sock: socket.socket) -> None:
+    """Serve `app` on `sock` until Ctrl-C or SIGTERM (uvicorn logging warnings only), then return."""
+    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run(sockets=[sock])
