@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from gptlab.checkpoint import load_run
+from gptlab.checkpoint import load_for_inference, load_run
 from gptlab.cli import main
 from gptlab.config import POSITIONS, ModelConfig, SamplingConfig, Seq2SeqConfig
 from gptlab.generate import Decoder, generate
@@ -245,6 +245,19 @@ def test_bad_quantize_options_are_one_line(trained_run: Path, capsys: pytest.Cap
     err = capsys.readouterr().err
     assert err == ("gptlab: error: --quantize int8 runs on the CPU only, not on meta: use --device cpu, "
                    "or --quantize none\n")
+
+
+def test_load_for_inference_holds_a_runs_weights_as_asked(trained_run: Path) -> None:
+    """The one loader of the commands that run a model: load_run's model and tokenizer, then
+    inference_weights."""
+    model, tokenizer = load_for_inference(trained_run, "cpu", "bfloat16")
+    reference, reference_tokenizer = load_run(trained_run)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
+    assert tokenizer.to_dict() == reference_tokenizer.to_dict()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs.to(torch.bfloat16))
+    int8, _ = load_for_inference(trained_run, quantize="int8")
+    assert isinstance(int8.lm_head, Int8Linear)
 
 
 def test_bfloat16_weights_for_sample_and_eval(trained_run: Path, capsys: pytest.CaptureFixture) -> None:

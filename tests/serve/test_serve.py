@@ -348,3 +348,28 @@ def test_the_serve_command_applies_a_runs_generation_defaults(trained_run: Path,
     greedy = "".join(c.text for c in stream_text(model, tokenizer, "the cat",
                                                  SamplingConfig(temperature=0.0, max_new_tokens=12)))
     assert texts == [greedy, greedy]
+
+
+def test_a_run_is_served_from_python_as_the_command_serves_it(trained_run: Path, tmp_path: Path) -> None:
+    """`app_for_run` is the serve command's assembly: the run's model held as asked, named after its folder,
+    the batch as planned, the run's generation defaults kept; a refusal names the argument, not the flag."""
+    from gptlab.config import SettingError
+    from gptlab.serve.server import app_for_run
+
+    run = tmp_path / "greedy-run"
+    run.mkdir()
+    checkpoint = load_checkpoint(trained_run / "best.safetensors")
+    greedy = {**checkpoint.state, "generation": {"temperature": 0.0}}
+    save_checkpoint(run / "best.safetensors", replace(checkpoint, state=greedy))
+    limits = Limits(max_tokens=50)
+    served = app_for_run(run, dtype="bfloat16", max_batch=4, limits=limits)
+    state = served.app.state.served
+    assert served.name == state.name == "greedy-run" and state.limits is limits
+    assert (served.plan.max_batch, served.plan.chosen, state.scheduler.max_batch) == (4, False, 4)
+    assert state.defaults == {"temperature": 0.0}
+    reference, _ = load_run(run)
+    for (name, ours), (_, theirs) in zip(state.model.named_parameters(), reference.named_parameters(),
+                                         strict=True):
+        assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs.to(torch.bfloat16)), name
+    with pytest.raises(SettingError, match=r"^max_context 25 is more than the model's context window \(24\)"):
+        app_for_run(run, limits=Limits(max_context=25))

@@ -16,7 +16,7 @@ from types import FrameType
 
 from gptlab.cli.adapt import add_adapt_commands
 from gptlab.cli.chat import add_chat_command
-from gptlab.cli.common import TqdmHandler
+from gptlab.cli.common import ARGUMENT_FLAGS, TqdmHandler
 from gptlab.cli.compare import add_compare_command
 from gptlab.cli.eval import add_eval_command
 from gptlab.cli.hf import add_hf_commands
@@ -30,58 +30,6 @@ from gptlab.cli.train import add_prepare_command, add_train_commands
 from gptlab.config import SettingError
 
 EXIT_USAGE = 2
-# The command-line option of each library argument a SettingError names (config fields need no entry).
-ARGUMENT_FLAGS = {
-    "run_dir": "--out",
-    "resume": "--resume",
-    "data": "--data",
-    "init_from": "--init-from",
-    "device": "--device",
-    "kind": "--type",
-    "adapter_only": "--adapter-only",
-    "lora": "--lora",
-    "base": "BASE",
-    "read_history": "--history",
-    "layer": "--layer",
-    "head": "--head",
-    "prompt": "--prompt",
-    "replace": "--replace",
-    "drop": "--drop",
-    "clean": "--clean",
-    "corrupt": "--corrupt",
-    "target": "--target",
-    "foil": "--foil",
-    "preset": "--preset",
-    "toml_path": "--config",
-    "tokenizer": "--tokenizer",
-    "vocab_size": "--vocab-size",
-    "out": "--out",
-    "jobs": "--jobs",
-    "baseline": "--baseline",
-    "varies": "--vary",
-    "seeds": "--seeds",
-    "RunOptions.preset": "--preset",
-    "RunOptions.config": "--config",
-    "RunOptions.data": "--data",
-    "RunOptions.tokenizer": "--tokenizer",
-    "RunOptions.tokenizer_vocab_size": "--vocab-size",
-    "dtype": "--dtype",
-    "quantize": "--quantize",
-    "max_batch": "--max-batch",
-    "max_context": "--max-context",
-    "max_tokens": "--max-tokens",
-    "max_stops": "--max-stops",
-    "max_stop_chars": "--max-stop-chars",
-    "max_waiting": "--max-waiting",
-    "request_timeout": "--request-timeout",
-    "prefill_chunk": "--prefill-chunk",
-    "allowed_hosts": "--allowed-hosts",
-    "api_key_file": "--api-key-file",
-    "batch_size": "--batch-size",
-    "limit": "--limit",
-    "variant": "--variant",
-    "shots": "--shots",
-}
 
 
 def build_parser() -> argparse.ArgumentParser:

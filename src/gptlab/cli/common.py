@@ -1,4 +1,5 @@
-"""Helpers shared by the command groups: logging above progress bars and config-field options."""
+"""Helpers shared by the command groups: logging above progress bars, config-field options, and the
+command-line option of each library argument an error names."""
 
 from __future__ import annotations
 
@@ -12,6 +13,60 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.config import DTYPES, QUANTIZATIONS, Config
+
+# The command-line option of each library argument a SettingError names (config fields need no entry),
+# for the CLI's one error line (`SettingError.as_flags`).
+ARGUMENT_FLAGS = {
+    "run_dir": "--out",
+    "resume": "--resume",
+    "data": "--data",
+    "init_from": "--init-from",
+    "device": "--device",
+    "kind": "--type",
+    "adapter_only": "--adapter-only",
+    "lora": "--lora",
+    "base": "BASE",
+    "read_history": "--history",
+    "layer": "--layer",
+    "head": "--head",
+    "prompt": "--prompt",
+    "replace": "--replace",
+    "drop": "--drop",
+    "clean": "--clean",
+    "corrupt": "--corrupt",
+    "target": "--target",
+    "foil": "--foil",
+    "preset": "--preset",
+    "toml_path": "--config",
+    "tokenizer": "--tokenizer",
+    "vocab_size": "--vocab-size",
+    "out": "--out",
+    "jobs": "--jobs",
+    "baseline": "--baseline",
+    "varies": "--vary",
+    "seeds": "--seeds",
+    "RunOptions.preset": "--preset",
+    "RunOptions.config": "--config",
+    "RunOptions.data": "--data",
+    "RunOptions.tokenizer": "--tokenizer",
+    "RunOptions.tokenizer_vocab_size": "--vocab-size",
+    "dtype": "--dtype",
+    "quantize": "--quantize",
+    "max_batch": "--max-batch",
+    "max_context": "--max-context",
+    "max_tokens": "--max-tokens",
+    "max_stops": "--max-stops",
+    "max_stop_chars": "--max-stop-chars",
+    "max_waiting": "--max-waiting",
+    "request_timeout": "--request-timeout",
+    "prefill_chunk": "--prefill-chunk",
+    "allowed_hosts": "--allowed-hosts",
+    "api_key_file": "--api-key-file",
+    "batch_size": "--batch-size",
+    "limit": "--limit",
+    "variant": "--variant",
+    "shots": "--shots",
+}
 
 
 class TqdmHandler(logging.Handler):

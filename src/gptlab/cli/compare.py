@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from gptlab.cli.common import config_overrides
-from gptlab.config import ModelConfig, TrainConfig
+from gptlab.config import ModelConfig, SettingError, TrainConfig
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -29,7 +29,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return 0
     command = shlex.join(["gptlab", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else ""
     result = compare(options, varies, seeds, args.out, jobs=args.jobs, baseline=args.baseline,
-                     progress=not args.no_progress, command=command)
+                     progress=not args.no_progress, command=command, spell=cli_spelling)
     for summary in result.summaries:
         if summary.n:
             mean, sd = summary.mean_sd("final_val")
@@ -37,7 +37,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(f"{summary.cell.name}: final val loss {mean:.4f}{spread} over {summary.n} seed(s)")
     if result.failed:
         for outcome in result.failed:
-            print(f"gptlab: {outcome.label} {outcome.status}: {outcome.message}", file=sys.stderr)
+            message = outcome.describe(cli_spelling)
+            print(f"gptlab: {outcome.label} {outcome.status}: {message}", file=sys.stderr)
         return 1
     print(f"report: {result.out / 'report.md'} (and report.html, curves.png)")
     return 0
@@ -96,3 +97,10 @@ def add_compare_command(sub: Any) -> None:
                      "measured time estimate; train nothing")
     add_train_options(cmp, data_help=", or a prepared folder (default shakespeare)", exclude=("seed",))
     cmp.set_defaults(func=cmd_compare)
+
+
+def cli_spelling(err: SettingError) -> str:
+    """A failed run's message with its settings named as the command line names them."""
+    from gptlab.cli.common import ARGUMENT_FLAGS
+
+    return err.as_flags(ARGUMENT_FLAGS)

@@ -12,7 +12,7 @@ import json
 import logging
 import platform
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,11 +91,12 @@ def describe(grid: Grid, jobs: int, threads: int) -> list[str]:
 
 def compare(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], seeds: Sequence[int],
             out: str | Path, *, jobs: int | None = None, baseline: str | None = None, progress: bool = True,
-            command: str = "") -> CompareResult:
+            command: str = "", spell: Callable[[SettingError], str] = str) -> CompareResult:
     """Train every run of the grid that is not finished (N at a time), then write the report.
 
     The same call again trains nothing and rewrites the report; an interrupted call's runs are resumed from
     their last checkpoints. A run folder trained with other settings is refused before anything trains.
+    `spell` names the settings in a failed run's message (str: as Python does; the CLI gives its flags).
     """
     out = Path(out)
     grid = plan(options, varies, seeds, out, baseline)
@@ -123,7 +124,7 @@ def compare(options: RunOptions, varies: Sequence[tuple[str, tuple[str, ...]]], 
             outcomes.append(outcome)
             bar.update(1)
             loss = f", final val loss {outcome.val_loss:.4f}" if outcome.val_loss is not None else ""
-            detail = f": {outcome.message}" if outcome.message else ""
+            detail = f": {outcome.describe(spell)}" if outcome.message else ""
             log.info(f"[{len(outcomes)}/{len(todo)}] {outcome.label}: {outcome.status} in "
                      f"{outcome.seconds:.0f} s{loss}{detail}")
 

@@ -62,6 +62,12 @@ class Outcome:
     message: str = ""
     val_loss: float | None = None
     seconds: float = 0.0
+    settings: dict[str, str] = field(default_factory=dict)  # a SettingError's: key -> Python spelling
+    template: str = ""  # ... and its template, so the command line can name its flags instead
+
+    def describe(self, spell: Callable[[SettingError], str] = str) -> str:
+        """The message, its settings named by `spell` (str: as Python does; the CLI gives its flags)."""
+        return spell(SettingError(self.template, **self.settings)) if self.template else self.message
 
 
 def data_folder_for(cell: Cell, out: Path) -> Path:
@@ -176,9 +182,12 @@ def execute(job: Job) -> Outcome:
         logging.getLogger("gptlab").addHandler(handler)
     begin = time.perf_counter()
 
-    def outcome(status: str, message: str = "", val_loss: float | None = None) -> Outcome:
+    def outcome(status: str, message: str = "", val_loss: float | None = None,
+                error: Exception | None = None) -> Outcome:
         seconds = time.perf_counter() - begin
-        return Outcome(job.label, job.folder, job.action, status, message, val_loss, seconds)
+        named = error if isinstance(error, SettingError) else None
+        return Outcome(job.label, job.folder, job.action, status, message, val_loss, seconds,
+                       named.settings if named else {}, named.template if named else "")
 
     try:
         if job.action == "train":
@@ -190,9 +199,9 @@ def execute(job: Job) -> Outcome:
             return outcome("interrupted", f"saved at step {result.step}")
         return outcome("finished", val_loss=score(job.folder, job.data))
     except TrainingDiverged as err:
-        return outcome("diverged", str(err))
+        return outcome("diverged", str(err), error=err)
     except (ValueError, OSError, RuntimeError) as err:
-        return outcome("failed", str(err))
+        return outcome("failed", str(err), error=err)
     finally:
         if handler is not None:
             logging.getLogger("gptlab").removeHandler(handler)
