@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
@@ -352,44 +352,8 @@ HOLDS = {"decoder": "a decoder-only language model: use the language-model comma
          "encoder-decoder": "an encoder-decoder (seq2seq) model: use the `gptlab seq2seq` commands"}
 
 
-def check_tensors(model_state: Mapping[str, torch.Tensor], shapes: Mapping[str, torch.Size]) -> None:
-    """A ValueError unless `model_state` holds exactly the tensors of `shapes`, each of its shape."""
-    if set(model_state) != set(shapes):
-        missing, unused = sorted(set(shapes) - set(model_state)), sorted(set(model_state) - set(shapes))
-        raise ValueError(f"checkpoint tensors do not fit its config: missing {missing}, unused {unused}")
-    for name, shape in shapes.items():
-        if model_state[name].shape != shape:
-            found = tuple(model_state[name].shape)
-            raise ValueError(f"{name} has shape {found}, its config says {tuple(shape)}")
 
 
-def gather_tensors(
-    tensors: Iterable[tuple[str, torch.Tensor]], sources: Mapping[str, tuple[str, ...]],
-    build: Callable[[str, list[torch.Tensor]], torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
-    """Build each target of `sources` (target -> the source names it is made of) with `build(target,
-    parts)` as soon as all its parts have been read, so that weights streamed tensor by tensor, shard by
-    shard, are never all held twice. Returns the targets, the source tensors no target names (the caller
-    decides which of them may be left over) and the names that never came."""
-    target_of = {name: target for target, names in sources.items() for name in names}
-    parts: dict[str, dict[str, torch.Tensor]] = {}  # target -> the parts read so far
-    built: dict[str, torch.Tensor] = {}
-    others: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors:
-        target = target_of.get(name)
-        if target is None:
-            others[name] = tensor
-            continue
-        if target in built or name in parts.get(target, {}):
-            raise ValueError(f"the weights hold {name} twice")
-        got = parts.setdefault(target, {})
-        got[name] = tensor
-        if len(got) == len(sources[target]):
-            del parts[target]  # the parts now belong to `build` alone
-            built[target] = build(target, [got[n] for n in sources[target]])
-    missing = sorted(n for target, names in sources.items() if target not in built for n in names
-                     if n not in parts.get(target, {}))
-    return built, others, missing
 
 
 def require_architecture(found: str, path: str | Path, expect: str) -> None:
@@ -453,11 +417,13 @@ def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.devi
     return model
 
 
-def load_seq2seq(path: str | Path, device: torch.device | str = "cpu",
-                 ) -> tuple[EncoderDecoder, SymbolTokenizer, TaskConfig]:
-    """The encoder-decoder (eval mode, on `device`), its vocabulary and its task, from a seq2seq run."""
+def load_seq2seq(path: str | Path, device: torch.device | str = "cpu", dtype: str = "float32",
+                 quantize: str = "none") -> tuple[EncoderDecoder, SymbolTokenizer, TaskConfig]:
+    """The encoder-decoder (eval mode, on `device`, its weights as `load_for_inference` holds them), its
+    vocabulary and its task, from a seq2seq run."""
     checkpoint = load_checkpoint(path, optimizer=False)
-    model = inference_model(checkpoint, path, device, expect="encoder-decoder")
+    model = inference_weights(inference_model(checkpoint, path, device, expect="encoder-decoder"), dtype,
+                              quantize)
     vocab = checkpoint.load_tokenizer()
     if not isinstance(vocab, SymbolTokenizer):  # every seq2seq run is trained on tasks.vocabulary()
         raise ValueError(f"{path} holds a {vocab.kind} tokenizer, not a seq2seq task's symbols: "

@@ -292,6 +292,7 @@ OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "trapezoid")
 LOGS = ("tensorboard", "wandb")
 CORPORA = ("shakespeare", "python-stdlib", "repeats")  # built-in texts (data.corpora), besides files
+TOKENIZERS = ("char", "byte", "bpe", "gpt2")  # the kinds a run trains or takes (text.tokenizer)
 DETECTORS = ("previous_token", "duplicate_token", "induction", "first_token")  # inspection.detectors
 
 

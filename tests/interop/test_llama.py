@@ -265,7 +265,7 @@ def test_runs_without_a_generation_config_have_no_defaults(tmp_path: Path) -> No
 def test_tensors_are_built_as_soon_as_their_parts_are_read() -> None:
     """The shard reader hands tensors over one at a time; each target is built before the next is read,
     so a sharded checkpoint is never held twice."""
-    from gptlab.checkpoint import gather_tensors
+    from gptlab.interop.shapes import gather_tensors
 
     built: list[str] = []
     read: list[str] = []

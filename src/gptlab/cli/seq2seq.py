@@ -82,10 +82,8 @@ def cmd_seq2seq_sample(args: argparse.Namespace) -> int:
     """Answer each --input with the trained model (greedy decoding)."""
     from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
-    from gptlab.quantize import inference_weights
 
-    model, vocab, task = load_seq2seq(args.run, resolve_device(args.device))
-    model = inference_weights(model, args.dtype, args.quantize)
+    model, vocab, task = load_seq2seq(args.run, resolve_device(args.device), args.dtype, args.quantize)
     sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **config_overrides(args, SamplingConfig)})
     print("\n".join(answer_lines(model, vocab, task, args.input, sampling, args.use_cache)))
     return 0
@@ -95,11 +93,9 @@ def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
     """Exact match on held-out examples (sources never trained on, of the trained lengths)."""
     from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
-    from gptlab.quantize import inference_weights
     from gptlab.seq2seq import tasks
 
-    model, _, task = load_seq2seq(args.run, resolve_device(args.device))
-    model = inference_weights(model, args.dtype, args.quantize)
+    model, _, task = load_seq2seq(args.run, resolve_device(args.device), args.dtype, args.quantize)
     if args.examples < 1:
         raise ValueError(f"--examples={args.examples} must be at least 1")
     device = next(model.parameters()).device
@@ -111,7 +107,7 @@ def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
 
 def preset_defaults(group: str) -> dict[str, str]:
     """The defaults the task presets give a config group's fields, for --help ("2" or "reverse 1500, ...")."""
-    from gptlab.seq2seq.tasks import SEQ2SEQ_PRESETS
+    from gptlab.seq2seq.presets import SEQ2SEQ_PRESETS
 
     names = {name for preset in SEQ2SEQ_PRESETS.values() for name in preset[group]}
     shown = {}

@@ -17,7 +17,7 @@ from gptlab.cli.common import (
     report_run,
 )
 from gptlab.cli.sample import print_samples
-from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
+from gptlab.config import CORPORA, TOKENIZERS, ModelConfig, SamplingConfig, TrainConfig
 
 EVAL_TOKENS = 2**18  # the final evaluation after training scores at most this many tokens
 
@@ -103,9 +103,6 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 def add_prepare_command(sub: Any) -> None:
     """The prepare command."""
-    from gptlab.data.corpora import CORPORA
-    from gptlab.text.tokenizer import TOKENIZERS
-
     source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
     prep = sub.add_parser(
         "prepare", help="tokenize text into train/val token files",
@@ -160,8 +157,6 @@ def add_train_options(parser: argparse.ArgumentParser, data_help: str,
                       exclude: Sequence[str] = ()) -> None:
     """What a training run is made of: --preset, --config, --data and its tokenizer, and one option per
     model and training field (shared by `train` and `compare`)."""
-    from gptlab.data.corpora import CORPORA
-    from gptlab.text.tokenizer import TOKENIZERS
     from gptlab.training.presets import PRESETS
 
     parser.add_argument("--preset", choices=list(PRESETS), help="named settings to start from")

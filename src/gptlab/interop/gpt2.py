@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 
-from gptlab.checkpoint import check_tensors, gather_tensors
 from gptlab.config import ModelConfig
-from gptlab.interop.shapes import HEAD, expected_shapes
+from gptlab.interop.shapes import HEAD, check_tensors, expected_shapes, gather_tensors
 
 PREFIX = "transformer."
 BLOCK_TENSORS = (

@@ -3,7 +3,7 @@
 Weights come as one `model.safetensors`, as shards listed by `model.safetensors.index.json` (how
 models from about 1B parameters up ship), or as the older pickled `pytorch_model.bin` (sharded too,
 with `pytorch_model.bin.index.json`). `read_tensors` yields them one tensor at a time, shard after
-shard, so a converter that uses each tensor as it comes (`checkpoint.gather_tensors`) never holds
+shard, so a converter that uses each tensor as it comes (`shapes.gather_tensors`) never holds
 the whole checkpoint twice. Pickles are read with `weights_only=True`: a hostile file runs nothing.
 
 `generation_config.json` holds the model's own sampling settings and end-of-sequence ids; gptlab

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from gptlab.checkpoint import check_tensors, gather_tensors
 from gptlab.config import ModelConfig
+from gptlab.interop.shapes import check_tensors, gather_tensors
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"

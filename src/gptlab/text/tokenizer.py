@@ -30,10 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from gptlab.config import SettingError
+from gptlab.config import TOKENIZERS, SettingError
 from gptlab.text.bpe import EOT, train_bpe_in_worker
 
-TOKENIZERS = ("char", "byte", "bpe", "gpt2")
 DEFAULT_BPE_VOCAB = 4096
 MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-text token
 # Hugging Face's trainer reserves about 70 bytes per requested token before it looks at the text, and a
