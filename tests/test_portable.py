@@ -184,7 +184,7 @@ def test_a_second_process_is_refused_naming_the_holder_without_reading_the_locke
     with pytest.raises(ValueError) as refused, RunLock(run):
         pass
     assert str(refused.value) == (f"{run} is in use by another gptlab process (pid {holder.pid}): "
-                                  "wait for it to finish, or choose another --out")
+                                  "wait for it to finish, or choose another run_dir")
 
 
 def test_a_killed_holder_does_not_block_the_next_run(holder: subprocess.Popen[str], tmp_path: Path) -> None:

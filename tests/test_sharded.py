@@ -104,7 +104,10 @@ def test_serving_and_exporting_read_a_sharded_run(runs: tuple[Path, Path], tmp_p
     pytest.importorskip("transformers")
     (files_model, _), (shards_model, _) = (load_run(run) for run in runs)  # what `gptlab serve` loads
     ids = torch.arange(10).unsqueeze(0)  # (1, 10)
-    assert torch.equal(files_model(ids)[0], shards_model(ids)[0])
+    files_state, shards_state = files_model.state_dict(), shards_model.state_dict()
+    assert all(torch.equal(tensor, shards_state[name]) for name, tensor in files_state.items())
+    # The same weights; the logits of two loads may still round apart on some CPUs (oneDNN's AVX2 paths).
+    torch.testing.assert_close(files_model(ids)[0], shards_model(ids)[0], rtol=0, atol=1e-6)
     for run, out in zip(runs, ("hf-files", "hf-shards"), strict=True):
         stdout_of(["export-hf", str(run), str(tmp_path / out)], capsys)
     first, second = (load_file(tmp_path / out / "model.safetensors") for out in ("hf-files", "hf-shards"))
