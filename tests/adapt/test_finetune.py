@@ -221,6 +221,16 @@ def test_lora_run_saves_only_adapters_and_loads_as_the_adapted_model(tmp_path: P
     assert "holds no LoRA adapters" in capsys.readouterr().err
     assert not (tmp_path / "again").exists()
 
+    # The same merge again redoes its own output; a new train or finetune run there is refused.
+    assert main(["merge", str(tmp_path / "lora"), "--out", str(tmp_path / "merged")]) == 0
+    merged_bytes = (tmp_path / "merged" / BEST).read_bytes()
+    capsys.readouterr()
+    for command in (["train", "--preset", "tiny", "--data", str(data), "--max-steps", "1", "--no-progress"],
+                    ["finetune", str(base), "--data", str(data), "--max-steps", "1", "--no-progress"]):
+        assert main([*command, "--out", str(tmp_path / "merged")]) == 2
+        assert "holds a model (best.safetensors, as import-hf and merge write)" in capsys.readouterr().err
+        assert (tmp_path / "merged" / BEST).read_bytes() == merged_bytes
+
 
 @pytest.mark.slow
 def test_patience_stops_where_the_validation_loss_stopped_improving(tmp_path: Path, one_thread: None) -> None:

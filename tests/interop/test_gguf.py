@@ -5,6 +5,7 @@ refused."""
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,27 @@ def test_cli_writes_a_file_gguf_reads(bpe: Tokenizer, make_run: Any, tmp_path: P
     types = {t.name: t.tensor_type for t in reader.tensors}
     assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.Q8_0
     assert types["blk.0.attn_qkv.bias"] == gguf.GGMLQuantizationType.F32
+
+
+def test_an_existing_out_is_replaced_only_when_it_is_this_runs_export(
+        bpe: Tokenizer, make_run: Any, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run, _ = make_run(bpe)
+    out = tmp_path / "m.gguf"
+    assert main(["export-gguf", str(run), "--out", str(out)]) == 0
+    assert main(["export-gguf", str(run), "--out", str(out)]) == 0  # the same command again redoes it
+    other = tmp_path / "other"
+    shutil.copytree(run, other)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    for source, target in ((run, notes), (run, other / BEST), (other, out)):
+        before = target.read_bytes()
+        capsys.readouterr()
+        assert main(["export-gguf", str(source), "--out", str(target)]) == 2
+        assert f"{target} exists and is not an earlier GGUF export of this run: choose another --out" in (
+            capsys.readouterr().err)
+        assert target.read_bytes() == before
+    with pytest.raises(ValueError, match="choose another out "):
+        export_gguf(run, notes)
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.testing import assert_close
 from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, load_run, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig
+from gptlab.files import RunLock
 from gptlab.generate import generate
 from gptlab.interop import gpt2, hf_tokenizer, huggingface
 from gptlab.model import GPT
@@ -420,3 +422,18 @@ def test_cli_errors_are_one_line(tmp_path: Path, problem: str, capsys: pytest.Ca
     expected = {"incompatible": "positions='rope' (GPT-2 needs 'learned')",
                 "not empty": "is not an empty folder", "no config": "holds no config.json"}[problem]
     assert expected in err
+
+
+def test_a_new_run_never_replaces_an_imported_model(hf_run: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "imported"
+    shutil.copytree(hf_run, run)
+    def files() -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in run.iterdir() if p.is_file() and p.name != RunLock.NAME}
+
+    before = files()
+    (tmp_path / "text.txt").write_text("the cat sat on the mat.\n" * 50, encoding="utf-8")
+    assert main(["train", "--preset", "tiny", "--data", str(tmp_path / "text.txt"), "--max-steps", "1",
+                 "--no-progress", "--out", str(run)]) == 2
+    assert "holds a model (best.safetensors, as import-hf and merge write)" in capsys.readouterr().err
+    assert files() == before

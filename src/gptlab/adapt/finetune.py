@@ -36,6 +36,7 @@ from gptlab.checkpoint import (
     architecture,
     has_checkpoint,
     load_checkpoint,
+    load_header,
     model_tensors,
     require_architecture,
     resolve_checkpoint,
@@ -236,6 +237,14 @@ def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_
             return trainer.run(stop_at), data, []
 
 
+def merged_from(folder: Path) -> str | None:
+    """The adapter checkpoint a merge in `folder` was made from (its resolved path), or None."""
+    try:
+        return load_header(folder, BEST).state.get("merged_from")
+    except (OSError, ValueError):
+        return None
+
+
 def merge_run(run: str | Path, out: str | Path) -> Path:
     """Fold an adapter run's LoRA adapters into its base's weights and write them as the new run `out`
     (best.safetensors, with the run's tokenizer, chat template and sampling defaults); its path."""
@@ -244,9 +253,10 @@ def merge_run(run: str | Path, out: str | Path) -> Path:
         raise ValueError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): there is "
                          "nothing to merge")
     model = merge_lora(checkpoint.build_gpt())
+    source = str(resolve_checkpoint(run).resolve())
     state: dict[str, Any] = {key: checkpoint.state[key] for key in ("chat_template", "generation")
-                             if key in checkpoint.state}
-    with run_folder(out, new=True):
+                             if key in checkpoint.state} | {"merged_from": source}
+    with run_folder(out, new=True, redoes=lambda folder: merged_from(folder) == source):
         save_checkpoint(out / BEST, Checkpoint(model.config, checkpoint.tokenizer, model_tensors(model),
                                                state=state))
     return out

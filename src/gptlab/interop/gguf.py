@@ -33,7 +33,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptlab.checkpoint import ADAPTER, Checkpoint, architecture, load_checkpoint, require_architecture
+from gptlab.checkpoint import (
+    ADAPTER,
+    Checkpoint,
+    architecture,
+    load_checkpoint,
+    require_architecture,
+    resolve_checkpoint,
+)
 from gptlab.config import ModelConfig, SettingError
 from gptlab.files import atomic_write
 from gptlab.interop.gpt2 import from_gpt2_state, to_gpt2_state
@@ -44,6 +51,7 @@ from gptlab.model import GPT
 from gptlab.text.tokenizer import EOT, Tokenizer, tokenizer_from_dict
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
+SOURCE_KEY = "gptlab.source"  # the checkpoint a file was exported from: only its own export is replaced
 PRE_TOKENIZER = "gpt-2"  # llama.cpp's name for GPT-2's split pattern, the one gptlab's byte-level kinds use
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 # gptlab's native chat template (gptlab.text.chat_template.NativeTemplate) in Jinja, for llama.cpp's chat
@@ -289,8 +297,19 @@ def chat_template_source(checkpoint: Checkpoint) -> str | None:
 # Files
 
 
+def exported_from(path: Path) -> str | None:
+    """The checkpoint a GGUF file was exported from (its SOURCE_KEY), or None for any other file."""
+    import gguf
+
+    try:
+        return _field(gguf.GGUFReader(str(path)), SOURCE_KEY)
+    except Exception:  # not a GGUF file at all: gguf raises what its parser meets
+        return None
+
+
 def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExport:
-    """Write a run's best checkpoint as a GGUF file llama.cpp runs; everything is checked first."""
+    """Write a run's best checkpoint as a GGUF file llama.cpp runs; everything is checked first. An
+    existing `out` is replaced only when it is an earlier export of the same checkpoint."""
     import gguf
 
     if kind not in GGUF_TYPES:
@@ -304,9 +323,13 @@ def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExpo
     arch = gguf_arch(config)
     vocab = gguf_vocab(checkpoint.tokenizer, config.vocab_size)
     tensors = to_gguf_tensors(checkpoint.model_state, config, arch)
-    out = Path(out)
+    out, source = Path(out), str(resolve_checkpoint(run).resolve())
+    if out.exists() and exported_from(out) != source:
+        raise SettingError(f"{out} exists and is not an earlier GGUF export of this run: choose another "
+                           "{out} (nothing was written)", out="out")
     writer = gguf.GGUFWriter(None, arch)
     _write_metadata(writer, config, arch, kind)
+    writer.add_string(SOURCE_KEY, source)
     _write_vocab(writer, vocab, arch)
     template = chat_template_source(checkpoint)
     if template is not None:

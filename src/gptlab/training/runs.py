@@ -14,14 +14,14 @@ import contextlib
 import json
 import logging
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from gptlab import sharded
-from gptlab.checkpoint import LAST, architecture, has_checkpoint, portable
+from gptlab.checkpoint import BEST, LAST, architecture, has_checkpoint, load_header, portable
 from gptlab.common import on_terminal
 from gptlab.config import ModelConfig, SettingError, TrainConfig
 from gptlab.data.prepare import prepare
@@ -56,12 +56,13 @@ class TrainingData(Protocol):
 
 
 @contextlib.contextmanager
-def run_folder(run_dir: Path, new: bool) -> Iterator[None]:
+def run_folder(run_dir: Path, new: bool, redoes: Callable[[Path], bool] | None = None) -> Iterator[None]:
     """Hold the run folder's lock for the whole run (the main process writes every file).
 
-    Under the lock: a new run refuses a folder holding a run or other files, temporary files that a
-    killed save left are removed, and a new run that fails before its first checkpoint takes its
-    folder away again, so nothing half-written is left.
+    Under the lock: a new run refuses a folder holding a run, a model or other files (`redoes` may accept
+    a model the same command wrote before), temporary files that a killed save left are removed, and a
+    new run that fails before its first checkpoint takes its folder away again, so nothing half-written
+    is left.
     """
     if not distributed.this_process().is_main:
         yield
@@ -69,7 +70,7 @@ def run_folder(run_dir: Path, new: bool) -> Iterator[None]:
     created = not run_dir.exists()
     with RunLock(run_dir):
         if new:
-            check_new_run(run_dir)
+            check_new_run(run_dir, redoes)
         remove_stale_temporaries(run_dir)
         sharded.remove_unnamed(run_dir)  # sharded saves a kill interrupted
         try:
@@ -80,16 +81,32 @@ def run_folder(run_dir: Path, new: bool) -> Iterator[None]:
             raise
 
 
-def check_new_run(run_dir: Path) -> None:
-    """Refuse to start a run in a folder that holds one, or that holds files and is not a gptlab run."""
+def check_new_run(run_dir: Path, redoes: Callable[[Path], bool] | None = None) -> None:
+    """Refuse to start a run in a folder that holds one, a model (an import's or a merge's best checkpoint
+    alone, unless `redoes(run_dir)` says the same command wrote it), or files that are not a gptlab run."""
     if has_checkpoint(run_dir, LAST):
         raise SettingError(f"{run_dir} already holds a run: continue it with {{resume}}, or choose another "
                            "{run_dir}", resume="resume", run_dir="run_dir")
+    if holds_model(run_dir) and not (redoes and redoes(run_dir)):
+        raise SettingError(f"{run_dir} holds a model ({BEST}, as import-hf and merge write) that a new run "
+                           "would replace: choose another {run_dir} (nothing in it was changed)",
+                           run_dir="run_dir")
     if is_run_folder(run_dir):
         return  # a run that was stopped before its first checkpoint: start it again
     if run_dir.is_dir() and any(p.name != RunLock.NAME for p in run_dir.iterdir()):
         raise SettingError(f"{run_dir} is not empty and is not a gptlab run folder: choose a new or empty "
                            "{run_dir} (nothing in it was changed)", run_dir="run_dir")
+
+
+def holds_model(run_dir: Path) -> bool:
+    """Whether the folder holds a model that was not trained in it: a best checkpoint alone whose header
+    has no training settings (what import-hf and merge write), or one too damaged to say."""
+    if has_checkpoint(run_dir, LAST) or not has_checkpoint(run_dir, BEST):
+        return False
+    try:
+        return load_header(run_dir, BEST).train_config is None
+    except ValueError:
+        return True
 
 
 def is_run_folder(path: Path) -> bool:
