@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from gptlab import sharded
 from gptlab.config import ModelConfig, Seq2SeqConfig, SettingError, TaskConfig, TrainConfig
-from gptlab.files import RunLock, atomic_write
+from gptlab.files import RunLock, atomic_write, remove_stale_temporaries
 from gptlab.layouts import decoding_layout
 from gptlab.model import GPT
 from gptlab.quantize import inference_weights
@@ -204,6 +204,7 @@ def consolidate(run_dir: Path) -> list[Path]:
         raise ValueError(f"{run_dir} holds no checkpoint: there is nothing to consolidate")
     written = []
     with RunLock(run_dir):
+        remove_stale_temporaries(run_dir)
         for name in (LAST, BEST):
             if sharded.pointer(run_dir, name).is_file():
                 save_checkpoint(run_dir / name, load_checkpoint(sharded.pointer(run_dir, name)))

@@ -7,6 +7,7 @@ the platform can open one (not on Windows, whose folders cannot be opened as fil
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -98,12 +99,40 @@ class RunLock:
         return os.read(fd, 32).decode(errors="replace").strip() or "unknown"
 
 
+# safetensors writes through a temporary file of its own in the target's folder: ".tmp" and 6 characters.
+SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
 def remove_stale_temporaries(folder: Path) -> list[Path]:
     """Delete the temporary files that writes killed mid-way left in `folder` (call it under RunLock)."""
-    stale = sorted(folder.glob(".*.tmp-*"))  # atomic_write's files and prepare's staging folders
+    stale = sorted([*folder.glob(".*.tmp-*"),  # atomic_write's files and prepare's staging folders
+                    *(p for p in folder.glob(".tmp*") if SAFETENSORS_TMP.fullmatch(p.name))])
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
     return stale
+
+
+def remove_abandoned_temporaries(path: Path) -> list[Path]:
+    """Delete the temporary files atomic_write left beside `path` in processes that are gone (a kill -9):
+    for files written outside a locked run folder, where another live process may be writing its own."""
+    abandoned = []
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = tmp.name.rpartition("-")[2]
+        if pid.isdigit() and not process_alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+            abandoned.append(tmp)
+    return abandoned
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id is running (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists but is not ours, or the platform cannot tell: keep its files
+        return True
+    return True

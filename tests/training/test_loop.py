@@ -382,3 +382,11 @@ def test_the_same_command_with_resume_continues_and_a_different_value_is_refused
     assert main([*command, "--resume"]) == 0 and (run / LAST).read_bytes() == finished  # done: nothing moves
     # the library compares values too: the run's own learning rate is no change
     assert resume(run, progress=False, changes={"lr": 0.006, "max_steps": 5}).step == 5
+
+
+def test_a_run_resumed_from_its_step_0_checkpoint_logs_step_0_once(data_dir: Path, tmp_path: Path) -> None:
+    config = TRAIN.replace(max_steps=4, eval_interval=2)
+    train(tmp_path / "run", data_dir, MODEL, config, stop_at=0, progress=False)
+    resume(tmp_path / "run", progress=False)
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[0] for row in rows] == ["0", "2", "4"]

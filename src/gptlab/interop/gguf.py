@@ -42,7 +42,7 @@ from gptlab.checkpoint import (
     resolve_checkpoint,
 )
 from gptlab.config import ModelConfig, SettingError
-from gptlab.files import atomic_write
+from gptlab.files import atomic_write, remove_abandoned_temporaries
 from gptlab.interop.gpt2 import from_gpt2_state, to_gpt2_state
 from gptlab.interop.hf_tokenizer import byte_level_bpe, byte_to_unicode, hf_tokenizer_json
 from gptlab.interop.llama import from_llama_state, to_llama_state
@@ -348,6 +348,7 @@ def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExpo
         writer.close()
 
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_temporaries(out)
     atomic_write(out, write)
     notes = [] if template else ["no chat template: the run was not fine-tuned to chat"]
     fallback = sorted(name for name, t in types.items() if kind == "q8_0" and t == "f16")

@@ -204,6 +204,7 @@ class Trainer:
         if checkpoint is not None:
             self._restore(checkpoint)
         self.forward_model = torch.compile(self.model) if train_config.compile else self.model
+        self.resumed = checkpoint is not None
         resume_step = self.step if checkpoint else None
         heads = head_columns(config.n_layer, config.n_head) if train_config.track_heads else ()
         self.metrics = (MetricsLog(run_dir / "metrics.csv", (*data.metric_names, *heads), resume_step)
@@ -391,9 +392,11 @@ class Trainer:
         stopping = False
         with StopOnInterrupt() as stop, tqdm(total=max_steps, initial=self.step, unit="step",
                                              disable=not self.progress, dynamic_ncols=True) as bar:
-            if self.step == 0 and (self.train_config.eval_interval < max_steps or end == 0):
+            if self.step == 0 and not self.resumed and (self.train_config.eval_interval < max_steps
+                                                        or end == 0):
                 # The untrained baseline, so the curve starts at step 0; a run that evaluates only at its
-                # end (a timed recipe) has no curve to start and skips it, unless it stops right here.
+                # end (a timed recipe) has no curve to start and skips it, unless it stops right here. A
+                # run resumed from its step-0 checkpoint logged it already.
                 self.evaluate_and_save()
             while self.step < end and not stopping and not self.out_of_patience():
                 started, tokens = time.perf_counter(), self.tokens_seen
