@@ -123,8 +123,11 @@ class SettingError(ValueError):
 
     def as_flags(self, argument_flags: typing.Mapping[str, str]) -> str:
         """The message with each setting as its command-line option: a config field (`XConfig.name`) as
-        `flag(name)`, an argument through `argument_flags` (a `--no-x` switch written as `not XConfig.x`)."""
+        `flag(name)` unless `argument_flags` names it, an argument through `argument_flags` (a `--no-x` switch
+        written as `not XConfig.x`)."""
         def option(spelling: str) -> str:
+            if spelling in argument_flags:  # a field whose option is not its flag (LoraConfig.r: --lora)
+                return argument_flags[spelling]
             negated = spelling.startswith("not ")
             owner, _, name = spelling.removeprefix("not ").rpartition(".")
             if owner.endswith("Config"):

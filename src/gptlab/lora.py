@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptlab.config import Config, check_positive, option
+from gptlab.config import Config, SettingError, check_positive, option
 from gptlab.model import GPT
 
 # The attention projections (fused QKV, W_O) and the FFN's (up, gate, down) of every block.
@@ -121,6 +121,12 @@ def add_lora(model: GPT, config: LoraConfig) -> GPT:
     if model.config.tied and "lm_head" in chosen:
         raise ValueError("lm_head shares its weight with the token embedding (tied): an adapter on it would "
                          "change the embedding when merged; leave lm_head out of the targets")
+    narrowest = min(chosen, key=lambda name: min(linears[name].in_features, linears[name].out_features))
+    rank = min(linears[narrowest].in_features, linears[narrowest].out_features)
+    if config.r > rank:  # B A has rank at most min(in, out): more adds parameters, not capacity
+        raise SettingError(f"{{r}} {config.r} is larger than the adapted layer {narrowest} allows "
+                           f"({linears[narrowest].in_features} -> {linears[narrowest].out_features}): "
+                           f"choose a rank of at most {rank}", r="LoraConfig.r")
     model.requires_grad_(False)
     for name in chosen:
         _replace(model, name, LoraLinear(linears[name], config))  # only A and B require grad

@@ -25,8 +25,8 @@ from gptlab.checkpoint import (
     save_checkpoint,
 )
 from gptlab.cli import main
-from gptlab.config import ModelConfig, TrainConfig
-from gptlab.lora import LoraConfig, LoraLinear, adapters_disabled
+from gptlab.config import ModelConfig, SettingError, TrainConfig
+from gptlab.lora import LoraConfig, LoraLinear, adapters_disabled, add_lora
 from gptlab.model import GPT
 from gptlab.text.tokenizer import CharTokenizer
 
@@ -265,3 +265,16 @@ def test_messages_on_a_model_without_chat_markers_grow_its_vocabulary(tmp_path: 
     marker = tokenizer.encode_array("<|assistant|>").tolist()  # a new id, with its row in the model
     assert len(marker) == 1 and base_tokenizer.vocab_size <= marker[0] < model.config.vocab_size
     assert load_checkpoint(tmp_path / "run").state["chat_template"] == {"kind": "native"}
+
+
+def test_a_lora_rank_above_the_layers_width_is_refused_before_anything_is_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, data = make_base(tmp_path), write_task(tmp_path / "task.jsonl")
+    out = tmp_path / "wide"
+    assert main(["finetune", str(base), "--data", str(data), "--out", str(out), "--lora", "100000",
+                 "--max-steps", "1", "--no-progress"]) == 2
+    error = capsys.readouterr().err
+    assert "--lora 100000 is larger than the adapted layer" in error and error.count("\n") == 1
+    assert not out.exists()
+    with pytest.raises(SettingError, match=r"LoraConfig.r 100000 is larger .* choose a rank of at most"):
+        add_lora(load_checkpoint(base).build_gpt(), LoraConfig(r=100000))

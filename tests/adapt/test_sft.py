@@ -192,3 +192,12 @@ def test_masks_of_prompt_completion_data_on_a_char_run(tmp_path: Path, capsys) -
     data = write(tmp_path / "d.jsonl", [{"prompt": "ab=", "completion": "ba\n"}])
     assert main(["masks", str(tmp_path), "--data", str(data)]) == 0
     assert "ab=[[ba\n]]" in capsys.readouterr().out
+
+
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line(bpe: BPETokenizer, tmp_path: Path) -> None:
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "Hello", "completion": " there"}\n'
+                     b'{"prompt": "caf\xe9", "completion": "b"}\n')
+    reason = re.escape("not UTF-8 (byte 0xe9 at column 16)")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:2: {reason}$"):
+        load_examples(path, bpe, NativeTemplate(), 64)

@@ -130,3 +130,22 @@ def test_cli_and_server_give_the_same_greedy_answer(chat_run: Path, capsys: pyte
     assert json.loads(out)["reply"] == answer == reference(chat_run, [{"role": "user", "content": "my bird"}],
                                                            GREEDY)[0]
     assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+NOT_UTF8 = "caf\udce9"  # what Python makes of the bytes caf\xe9 in argv or on stdin (surrogateescape)
+
+
+def test_a_prompt_that_is_not_utf8_is_one_clear_line(chat_run: Path, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    for argv in (["sample", str(chat_run), "--prompt", NOT_UTF8, "--max-new-tokens", "2"],
+                 ["chat", str(chat_run), "--message", NOT_UTF8, "--max-new-tokens", "2"]):
+        status, out, err = run_cli(argv, capsys)
+        assert status == 2 and out == ""
+        assert err.startswith("gptlab: error: the text is not valid UTF-8: it holds the byte 0xe9 (")
+        assert len(err.splitlines()) == 1
+    # Interactive chat says so in one line about that input and goes on with the next one.
+    argv = ["chat", str(chat_run), "--temperature", "0", "--max-new-tokens", "12"]
+    status, out, _ = run_cli(argv, capsys, f"{NOT_UTF8}\nthe cat\n", monkeypatch)
+    assert status == 0 and "not valid UTF-8: it holds the byte 0xe9" in out
+    cat = reference(chat_run, [{"role": "user", "content": "the cat"}], GREEDY)[0]
+    assert out.split("you> ")[2] == f"model> {cat}\n"

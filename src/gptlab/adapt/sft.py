@@ -79,15 +79,18 @@ def read_records(path: str | Path) -> tuple[str, list[tuple[int, dict[str, Any]]
     """The file's shape and its (line number, record) pairs; bad data is one ValueError naming file:line."""
     path = Path(path)
     shape, first, records = None, 0, []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
+    with path.open("rb") as lines:  # bytes, so that a line that is not UTF-8 is named by its number
+        for number, raw in enumerate(lines, start=1):
+            if not raw.strip():
                 continue  # blank lines, such as a trailing one, hold no example
             try:
+                line = raw.decode("utf-8")
                 record = json.loads(line)
                 this = record_shape(record)
             except ValueError as err:
-                reason = f"not JSON ({err.msg})" if isinstance(err, json.JSONDecodeError) else str(err)
+                reason = (f"not JSON ({err.msg})" if isinstance(err, json.JSONDecodeError)
+                          else f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+                          if isinstance(err, UnicodeDecodeError) else str(err))
                 raise ValueError(f"{path}:{number}: {reason}") from None
             if shape is None:
                 shape, first = this, number

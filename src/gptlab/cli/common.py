@@ -25,6 +25,7 @@ ARGUMENT_FLAGS = {
     "kind": "--type",
     "adapter_only": "--adapter-only",
     "lora": "--lora",
+    "LoraConfig.r": "--lora",
     "base": "BASE",
     "read_history": "--history",
     "layer": "--layer",

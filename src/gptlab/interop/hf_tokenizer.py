@@ -89,15 +89,28 @@ def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str | None:
     return None
 
 
+def damaged_file(path: Path, exc: BaseException) -> ValueError:
+    """One line naming a tokenizer file that cannot be read, and the first line of the reason."""
+    reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+    return ValueError(f"{path} is not a readable tokenizer file ({reason}): copy it again from the model's "
+                      "repository")
+
+
 def read_hf_tokenizer(hf_dir: Path, vocab_size: int) -> tuple[dict[str, Any], str]:
     """A gptlab tokenizer dict from a GPT-2 folder's tokenizer files, and a note on what was used."""
     from tokenizers import Tokenizer as HFTokenizer
 
     if (hf_dir / "tokenizer.json").is_file():
         source = "tokenizer.json"
-        tokenizer_json = HFTokenizer.from_file(str(hf_dir / source)).to_str()
+        try:
+            tokenizer_json = HFTokenizer.from_file(str(hf_dir / source)).to_str()
+        except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot read
+            raise damaged_file(hf_dir / source, exc) from exc
     elif (hf_dir / "vocab.json").is_file() and (hf_dir / "merges.txt").is_file():
-        vocab = json.loads((hf_dir / "vocab.json").read_text(encoding="utf-8"))
+        try:
+            vocab = json.loads((hf_dir / "vocab.json").read_text(encoding="utf-8"))
+        except ValueError as exc:  # not UTF-8, or not JSON
+            raise damaged_file(hf_dir / "vocab.json", exc) from exc
         lines = (hf_dir / "merges.txt").read_text(encoding="utf-8").splitlines()
         merges = [tuple(line.split(" ")) for line in lines if line and not line.startswith("#version")]
         if any(len(merge) != 2 for merge in merges):
@@ -126,8 +139,11 @@ def read_llama_tokenizer(hf_dir: Path, hf_config: Mapping[str, Any],
                          "(tokenizer.save_pretrained) and import again")
     ends = eos_ids(hf_dir, dict(hf_config))
     bos = token_ids(hf_config.get("bos_token_id")) or token_ids(generation_config(hf_dir).get("bos_token_id"))
-    tokenizer = ImportedTokenizer((hf_dir / "tokenizer.json").read_text(encoding="utf-8"),
-                                  ends[0] if ends else None, bos[0] if bos else None, ends[1:])
+    try:
+        tokenizer = ImportedTokenizer((hf_dir / "tokenizer.json").read_text(encoding="utf-8"),
+                                      ends[0] if ends else None, bos[0] if bos else None, ends[1:])
+    except (ValueError, AttributeError) as exc:  # not UTF-8, not a tokenizer, or JSON but not an object
+        raise damaged_file(hf_dir / "tokenizer.json", exc) from exc
     if tokenizer.vocab_size > vocab_size:
         raise ValueError(f"the tokenizer in {hf_dir} has {tokenizer.vocab_size} ids but the model only "
                          f"{vocab_size}: the tokenizer files belong to another model")

@@ -45,6 +45,23 @@ class DamagedTokenizerError(ValueError):
     """A saved tokenizer (a dict from to_dict, as JSON in a file) that cannot be one: damaged or foreign."""
 
 
+def utf8_text(text: str) -> bytes:
+    """The UTF-8 bytes of `text`, or a ValueError saying where it is not valid UTF-8.
+
+    Python decodes command-line arguments and stdin with surrogateescape: a byte that is not UTF-8
+    (`$'caf\\xe9'`, Latin-1 text) becomes a lone surrogate, which no tokenizer can encode.
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        what = (f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF  # surrogateescape's
+                else f"the lone surrogate U+{code:04X}")
+        # no position: the text may be a rendered chat, not what the user typed
+        raise ValueError(f"the text is not valid UTF-8: it holds {what} (Latin-1 or another encoding?); "
+                         "write it in UTF-8") from None
+
+
 class Tokenizer(abc.ABC):
     """Maps text to token ids and back; `to_dict()` holds everything needed to rebuild it."""
 
@@ -119,6 +136,7 @@ class CharTokenizer(Tokenizer):
         return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
 
     def encode_array(self, text: str) -> np.ndarray:
+        utf8_text(text)
         codes = self._code_points(text)
         slots = np.minimum(np.searchsorted(self._codes, codes), len(self._codes) - 1)
         unknown = np.flatnonzero(self._codes[slots] != codes)
@@ -151,10 +169,10 @@ class ByteTokenizer(Tokenizer):
         self.eot_id = None
 
     def encode_array(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8", "surrogatepass"), dtype=np.uint8).astype(np.int64)
+        return np.frombuffer(utf8_text(text), dtype=np.uint8).astype(np.int64)
 
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8", "surrogatepass"))
+        return list(utf8_text(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(self._checked_ids(ids)).decode("utf-8", errors="replace")
@@ -186,6 +204,7 @@ class BPETokenizer(Tokenizer):
         return cls(train_bpe_in_worker(text, vocab_size))
 
     def encode(self, text: str) -> list[int]:
+        utf8_text(text)  # tokenizers' own error is a TypeError ("TextInputSequence must be str")
         return self._hf.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -230,9 +249,11 @@ class ImportedTokenizer(Tokenizer):
         return (*super().stop_ids, *self.more_eos_ids)
 
     def encode(self, text: str) -> list[int]:
+        utf8_text(text)
         return self._hf.encode(text).ids
 
     def encode_array(self, text: str) -> np.ndarray:
+        utf8_text(text)
         return np.asarray(self._hf.encode(text, add_special_tokens=False).ids, dtype=np.int64)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -257,6 +278,7 @@ class GPT2Tokenizer(Tokenizer):
         self.eot_id = self._encoding.eot_token
 
     def encode(self, text: str) -> list[int]:
+        utf8_text(text)
         return self._encoding.encode(text, allowed_special={EOT})
 
     def decode(self, ids: Sequence[int]) -> str:
