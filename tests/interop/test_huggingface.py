@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -437,3 +438,139 @@ def test_a_new_run_never_replaces_an_imported_model(hf_run: Path, tmp_path: Path
                  "--no-progress", "--out", str(run)]) == 2
     assert "holds a model (best.safetensors, as import-hf and merge write)" in capsys.readouterr().err
     assert files() == before
+
+
+TINY_GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_positions": 8, "n_embd": 8, "n_layer": 1,
+             "n_head": 2}
+
+
+@pytest.mark.parametrize("damage", ["config not JSON", "config not UTF-8", "tokenizer.json corrupt",
+                                    "tokenizer.json not JSON", "vocab.json not JSON"])
+def test_a_damaged_file_in_an_import_is_one_line_naming_it(tmp_path: Path, damage: str,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(TINY_GPT2), encoding="utf-8")
+    name, content = {"config not JSON": ("config.json", b"<html>not found</html>"),
+                     "config not UTF-8": ("config.json", b'{"model_type": "gpt\xe9"}'),
+                     "tokenizer.json corrupt": ("tokenizer.json", b'{"version": "1.0", "model": {'),
+                     "tokenizer.json not JSON": ("tokenizer.json", b"\x00\x01 garbage"),
+                     "vocab.json not JSON": ("vocab.json", b"{oops")}[damage]
+    (hf / name).write_bytes(content)
+    (hf / "merges.txt").write_text("#version: 0.2\n", encoding="utf-8")
+    assert main(["import-hf", str(hf), str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gptlab: error: {hf / name} is not ") and err.count("\n") == 1
+    assert not (tmp_path / "run" / BEST).exists()
+
+
+def test_a_damaged_llama_tokenizer_json_is_one_line_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ', encoding="utf-8")
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path / 'tokenizer.json'))} is not a readable"):
+        hf_tokenizer.read_llama_tokenizer(tmp_path, {"eos_token_id": 2}, 300)
+
+
+# ------------------------------------------------------------------- an existing OUT, a failed write
+
+
+def small_run(tmp_path: Path) -> Path:
+    config = ModelConfig(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    save_run(tmp_path / "run", config, train_tokenizer("byte", ""))
+    return tmp_path / "run"
+
+
+def siblings(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}."))
+
+
+def test_export_hf_twice_redoes_the_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, out = small_run(tmp_path), tmp_path / "out"
+    assert main(["export-hf", str(run), str(out)]) == 0
+    first = load_file(out / "model.safetensors")
+    assert main(["export-hf", str(run), str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert_close(load_file(out / "model.safetensors"), first)
+    assert json.loads((out / "config.json").read_text(encoding="utf-8"))["n_embd"] == 8
+    assert siblings(out) == []
+    if importlib.util.find_spec("transformers") is not None:
+        import transformers
+
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_import_hf_twice_redoes_the_import(hf_run: Path, tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    assert main(["export-hf", str(hf_run), str(hf)]) == 0
+    assert main(["import-hf", str(hf), str(tmp_path / "run")]) == 0
+    assert main(["import-hf", str(hf), str(tmp_path / "run")]) == 0
+    assert load_checkpoint(tmp_path / "run").model_config.n_embd == 16
+    assert siblings(tmp_path / "run") == []
+
+
+@pytest.mark.parametrize("existing", ["user file", "another run's export", "another command"])
+def test_an_out_the_command_did_not_write_is_refused_untouched(
+    tmp_path: Path, existing: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, out = small_run(tmp_path), tmp_path / "out"
+    if existing == "user file":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif existing == "another run's export":
+        other = tmp_path / "other"
+        shutil.copytree(run, other)
+        assert main(["export-hf", str(other), str(out)]) == 0
+    else:  # an export of this run, then a file of the user's beside it
+        assert main(["export-hf", str(run), str(out)]) == 0
+        (out / "notes.txt").write_text("mine")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["export-hf", str(run), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not an empty folder" in err
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert siblings(out) == []
+
+
+def test_an_import_is_not_redone_from_another_folder(hf_run: Path, tmp_path: Path) -> None:
+    assert main(["export-hf", str(hf_run), str(tmp_path / "a")]) == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    assert main(["import-hf", str(tmp_path / "a"), str(tmp_path / "run")]) == 0
+    before = (tmp_path / "run" / BEST).read_bytes()
+    assert main(["import-hf", str(tmp_path / "b"), str(tmp_path / "run")]) == 2
+    assert (tmp_path / "run" / BEST).read_bytes() == before
+
+
+@pytest.mark.parametrize("redo", [False, True])
+def test_a_failed_write_leaves_no_out_and_no_temporary_folder(
+    tmp_path: Path, redo: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, out = small_run(tmp_path), tmp_path / "out"
+    if redo:
+        assert main(["export-hf", str(run), str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if redo else None
+    written = []
+    real = huggingface.atomic_write_text
+
+    def full_disk(path: Path, text: str) -> None:
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        real(path, text)
+
+    monkeypatch.setattr(huggingface, "atomic_write_text", full_disk)
+    assert main(["export-hf", str(run), str(out)]) == 2
+    assert written  # the weights and one file were written before the disk filled
+    if redo:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+    assert siblings(out) == []
+
+
+def test_a_killed_calls_temporary_folder_is_removed_by_the_next(tmp_path: Path) -> None:
+    run, out = small_run(tmp_path), tmp_path / "out"
+    stale = tmp_path / ".out.tmp-999999999"  # no such process
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
+    assert main(["export-hf", str(run), str(out)]) == 0
+    assert not stale.exists() and (out / "model.safetensors").is_file()

@@ -11,7 +11,12 @@ tokenizers; `transformers` (the `hf` extra) is imported only by `to_transformers
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +34,7 @@ from gptlab.checkpoint import (
     save_checkpoint,
 )
 from gptlab.config import SettingError
-from gptlab.files import atomic_write, atomic_write_text
+from gptlab.files import atomic_write, atomic_write_text, fsync, process_alive
 from gptlab.interop.families import Conversion, export_family
 from gptlab.interop.gpt2 import (
     from_gpt2_state,
@@ -51,21 +56,88 @@ from gptlab.model import GPT
 from gptlab.text.tokenizer import EOT, ImportedTokenizer
 
 ADAPTER_DIR = "adapter"  # where export-hf puts an adapter run's PEFT adapter, inside the exported base
-
-
-
-
+# What wrote a folder, so that running the same command again redoes it (and nothing else is replaced):
+# {"command", "source", "files"}, under this key in the run's config.json (import-hf) or in
+# EXPORT_MARKER, a hidden file beside the exported files that transformers and PEFT never read (export-hf).
+SOURCE_KEY = "gptlab-source"
+EXPORT_MARKER = f".{SOURCE_KEY}.json"
 
 
 # ---------------------------------------------------------------------------------------------
 # Folders
 
 
-def _new_folder(out_dir: str | Path) -> Path:
+def _new_folder(out_dir: str | Path, marker: dict[str, Any] | None = None) -> Path:
+    """`out_dir` when it is new, empty, or what the same command wrote from the same source before
+    (`marker`, redone: `_staged` replaces it whole); any other existing path is refused, untouched."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and \
+            not (marker is not None and _written_by(out_dir, marker)):
         raise ValueError(f"{out_dir} exists and is not an empty folder: choose a new output folder")
     return out_dir
+
+
+def _read_marker(folder: Path) -> Any:
+    """The SOURCE_KEY record in `folder`, or None: an export's EXPORT_MARKER, else an import's config.json."""
+    for path, key in ((folder / EXPORT_MARKER, None), (folder / "config.json", SOURCE_KEY)):
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            continue
+        if isinstance(values, dict):
+            return values.get(SOURCE_KEY if key is None else key)
+    return None
+
+
+def _written_by(folder: Path, marker: dict[str, Any]) -> bool:
+    """Whether `folder` was written by `marker`'s command from its source and holds nothing else."""
+    found = _read_marker(folder)
+    if not isinstance(found, dict) or any(found.get(k) != marker[k] for k in ("command", "source")):
+        return False
+    ours = {*map(str, found.get("files", [])), EXPORT_MARKER, ".lock"}  # .lock: a reader's RunLock
+    held = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if not p.is_dir()}
+    return held <= ours
+
+
+def _remove_abandoned(out_dir: Path) -> None:
+    """Delete the staging and replaced folders (`_staged`) that killed calls left beside `out_dir`."""
+    for path in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"):
+        kind, _, pid = path.name[len(out_dir.name) + 2:].rpartition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and not process_alive(int(pid)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def _staged(out_dir: Path) -> Iterator[Path]:
+    """A temporary sibling folder of `out_dir` to write into, renamed to `out_dir` once the block ends
+    without an error (an existing `out_dir`, which `_new_folder` accepted, is renamed away first and then
+    removed); on an error or a kill `out_dir` is left as it was and the temporary folder is removed (by
+    the next call after a kill)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(out_dir)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        yield tmp
+        for path in sorted(tmp.rglob("*"), reverse=True):  # the files' folders: their entries last
+            if path.is_dir():
+                fsync(path)
+        fsync(tmp)
+        if out_dir.exists():
+            os.replace(out_dir, old)
+            try:
+                os.replace(tmp, out_dir)
+            except OSError:
+                os.replace(old, out_dir)
+                raise
+        else:
+            os.replace(tmp, out_dir)
+        fsync(out_dir.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def export_hf(run: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Conversion:
@@ -96,26 +168,54 @@ def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only
     model = checkpoint.build_gpt()  # the base run's model with the adapters on it (checkpoint.ADAPTER)
     lora = LoraConfig.from_dict(checkpoint.state[ADAPTER]["config"])
     peft_adapter(model, lora, None)  # refuses an adapter PEFT cannot hold before anything is written
-    out_dir = _new_folder(out_dir)
+    marker = _export_marker(checkpoint, adapter_only)
+    out_dir = _new_folder(out_dir, marker)
     if adapter_only:
-        written = export_peft_adapter(model, lora, out_dir)
+        with _staged(out_dir) as folder:
+            written = export_peft_adapter(model, lora, folder)
+            _write_export_marker(folder, marker, written.files)
         base = checkpoint.state[ADAPTER]["base"]
         note = f"load it onto its base exported on its own: gptlab export-hf {base} HF_DIR"
         return Conversion(out_dir, written.files, [note])
     tensors = {name: t for name, t in model_tensors(model).items() if not is_lora_tensor(name)}
-    exported = export_checkpoint(replace(checkpoint, model_state=tensors), out_dir)
-    adapter = export_peft_adapter(model, lora, out_dir / ADAPTER_DIR, str(out_dir.resolve()))
-    return Conversion(out_dir, [*exported.files, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)],
-                      exported.notes)
+    weights, texts, notes = _hf_files(replace(checkpoint, model_state=tensors))
+    with _staged(out_dir) as folder:
+        _write_hf_files(folder, weights, texts)
+        adapter = export_peft_adapter(model, lora, folder / ADAPTER_DIR, str(out_dir.resolve()))
+        files = ["model.safetensors", *texts, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)]
+        _write_export_marker(folder, marker, files)
+    return Conversion(out_dir, files, notes)
 
 
 def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path) -> Conversion:
     """Write one decoder checkpoint's weights, config and tokenizer as a Hugging Face folder (export_hf)."""
+    marker = _export_marker(checkpoint, False)
+    out_dir = _new_folder(out_dir, marker)
+    weights, texts, notes = _hf_files(checkpoint)
+    with _staged(out_dir) as folder:
+        _write_hf_files(folder, weights, texts)
+        files = ["model.safetensors", *texts]
+        _write_export_marker(folder, marker, files)
+    return Conversion(out_dir, files, notes)
+
+
+def _export_marker(checkpoint: Checkpoint, adapter_only: bool) -> dict[str, Any]:
+    """What an export records of itself (SOURCE_KEY): the command and the checkpoint file it read."""
+    command = "export-hf --adapter-only" if adapter_only else "export-hf"
+    return {"command": command, "source": str(Path(checkpoint.source).resolve())}
+
+
+def _write_export_marker(folder: Path, marker: dict[str, Any], files: list[str]) -> None:
+    atomic_write_text(folder / EXPORT_MARKER,
+                      json.dumps({SOURCE_KEY: {**marker, "files": files}}, indent=2) + "\n")
+
+
+def _hf_files(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """The weights, the text files (name -> text) and the notes of a checkpoint's Hugging Face folder."""
     from tokenizers import Tokenizer as HFTokenizer
 
     config = checkpoint.model_config
     family = export_family(config)
-    out_dir = _new_folder(out_dir)
     tokenizer_json = hf_tokenizer_json(checkpoint.tokenizer)
     hf_tokenizer = HFTokenizer.from_str(tokenizer_json) if tokenizer_json else None
     if checkpoint.tokenizer["kind"] == ImportedTokenizer.kind:  # the imported model's own ids
@@ -140,12 +240,14 @@ def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path) -> Conversion
         texts["tokenizer.json"] = tokenizer_json  # type: ignore[assignment]
         texts["tokenizer_config.json"] = json.dumps(
             _tokenizer_config(token["eos"], token["bos"], config.block_size), indent=2)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(out_dir / "model.safetensors",
+    return tensors, texts, notes
+
+
+def _write_hf_files(folder: Path, tensors: dict[str, Any], texts: dict[str, str]) -> None:
+    atomic_write(folder / "model.safetensors",
                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     for name, text in texts.items():
-        atomic_write_text(out_dir / name, text)
-    return Conversion(out_dir, ["model.safetensors", *texts], notes)
+        atomic_write_text(folder / name, text)
 
 
 def _tokenizer_config(eot: str | None, bos: str | None, block_size: int) -> dict[str, Any]:
@@ -160,7 +262,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} holds no config.json: give a folder written by save_pretrained")
-    hf_config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    try:
+        hf_config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    except ValueError as err:  # not UTF-8, or not JSON: name the file, which the bare reason does not
+        raise ValueError(f"{hf_dir / 'config.json'} is not a JSON file ({err}): copy it again from the "
+                         "model's repository") from None
     family = hf_config.get("model_type", "gpt2") if isinstance(hf_config, dict) else None
     if family == "gpt2":
         config = model_config_from_gpt2(hf_config)
@@ -175,15 +281,18 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
     else:
         raise ValueError(f"{hf_dir / 'config.json'} has model_type={family!r}: gptlab imports gpt2, "
                          f"{', '.join(FAMILIES)}")
-    out_dir = _new_folder(out_dir)
+    marker = {"command": "import-hf", "source": str(hf_dir.resolve())}
+    out_dir = _new_folder(out_dir, marker)
     # `generation` is what `gptlab sample` uses for the settings its user leaves out (generation_defaults)
     state = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
     template = chat_template(hf_dir)  # kept as Jinja source; gptlab.adapt.chat renders it
     if template is not None:
         state["chat_template"] = template
-    save_checkpoint(out_dir / BEST, Checkpoint(config, tokenizer, tensors, state=state))
-    resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir)}
-    atomic_write_text(out_dir / "config.json", json.dumps(resolved, indent=2) + "\n")
+    resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir),
+                SOURCE_KEY: {**marker, "files": [BEST, "config.json"]}}
+    with _staged(out_dir) as folder:
+        save_checkpoint(folder / BEST, Checkpoint(config, tokenizer, tensors, state=state))
+        atomic_write_text(folder / "config.json", json.dumps(resolved, indent=2) + "\n")
     notes = [note]
     if generation:
         shown = ", ".join(f"{key} {value}" for key, value in generation.items())
