@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import textwrap
 import time
 import urllib.error
 import zipfile
@@ -586,3 +587,19 @@ def test_shakespeare_download_failure_suggests_own_text(
 def test_cached_shakespeare_is_the_complete_works() -> None:
     text = load_text("shakespeare")
     assert 4_500_000 < len(text) < 6_000_000 and "To be, or not to be" in text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+def test_a_full_disk_while_preparing_is_one_line_and_leaves_nothing(corpus: Path, tmp_path: Path) -> None:
+    # A file-size limit stands in for a full disk: the write of train.bin fails part of the way.
+    limit = textwrap.dedent(f"""
+        import resource, sys
+        from gptlab.cli import main
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
+        sys.exit(main(["prepare", {str(corpus)!r}, "--out", {str(tmp_path / "data")!r}]))
+    """)
+    full = subprocess.run([sys.executable, "-c", limit], capture_output=True, text=True, timeout=120)
+    assert full.returncode == 2, full.stderr
+    assert full.stderr.count("\n") == 1
+    assert "could not write train.bin of" in full.stderr and "File too large" in full.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]

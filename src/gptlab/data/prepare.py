@@ -143,17 +143,30 @@ def _write_data_folder(
     """Write everything into a hidden sibling folder, then move it to out_dir in one step."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    files: dict[str, bytes | memoryview] = {f"{split}.bin": np.ascontiguousarray(ids).data
+                                            for split, ids in splits.items()}
+    files["tokenizer.json"] = json.dumps(tok.to_dict()).encode("utf-8")
+    files["meta.json"] = (json.dumps(meta, indent=2) + "\n").encode("utf-8")
     try:
-        for split, ids in splits.items():
-            ids.tofile(staging / f"{split}.bin")
-        (staging / "tokenizer.json").write_text(json.dumps(tok.to_dict()), encoding="utf-8")
-        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        for name, data in files.items():
+            _write_file(staging / name, data, out_dir)
         for file in staging.iterdir():  # on the disk before the folder is published
             fsync(file)
         _check_out_dir(out_dir)  # again: it may have changed while we tokenized
         _publish(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # nothing left to remove once it has been moved
+
+
+def _write_file(path: Path, data: bytes | memoryview, out_dir: Path) -> None:
+    """Write one file of the staging folder; a full disk is one line naming what could not be written."""
+    try:
+        with path.open("wb") as f:
+            f.write(data)
+    except OSError as err:
+        reason = err.strerror or str(err)
+        raise OSError(f"could not write {path.name} of {out_dir} ({reason}): nothing was changed; free some "
+                      "space and prepare again") from err
 
 
 def _publish(staging: Path, out_dir: Path) -> None:
