@@ -4,11 +4,13 @@ are shown."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import platform
 import random
 import subprocess
 import sys
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -18,6 +20,17 @@ from gptlab.config import SettingError
 # Measured on a 2-core AVX512-BF16/AMX CPU (benchmarks/train_throughput.py): bfloat16 autocast
 # made a 128-wide model slower and a 384-wide one about 2x faster, so "auto" switches at this width.
 CPU_BF16_MIN_WIDTH = 256
+
+
+def need(module: str, extra: str, what: str) -> ModuleType:
+    """Import the optional package `module`, or raise a ValueError whose one line (the CLI's `gptlab:
+    error:` line) names the extra that installs it: "export-gguf needs the gguf package: pip install
+    'gptlab[gguf]'"."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ValueError(f"{what} needs the {module.partition('.')[0]} package: "
+                         f"pip install 'gptlab[{extra}]'") from None
 
 
 def resolve_device(name: str) -> torch.device:

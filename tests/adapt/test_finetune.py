@@ -278,3 +278,17 @@ def test_a_lora_rank_above_the_layers_width_is_refused_before_anything_is_writte
     assert not out.exists()
     with pytest.raises(SettingError, match=r"LoraConfig.r 100000 is larger .* choose a rank of at most"):
         add_lora(load_checkpoint(base).build_gpt(), LoraConfig(r=100000))
+
+
+def test_finetune_into_a_training_run_is_refused_without_calling_it_a_fine_tuning_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, data = make_base(tmp_path), write_task(tmp_path / "task.jsonl")
+    (tmp_path / "text.txt").write_text("abc=cba\n" * 200, encoding="utf-8")
+    run = tmp_path / "trained"
+    assert main(["train", "--preset", "tiny", "--data", str(tmp_path / "text.txt"), "--max-steps", "1",
+                 "--samples", "0", "--no-progress", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["finetune", str(base), "--data", str(data), "--out", str(run), "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert "already holds a fine-tuning run" not in out
+    assert "is not a fine-tuning run: continue it with gptlab train --resume" in err

@@ -155,3 +155,39 @@ def test_sampling_defaults_fill_only_the_fields_a_request_leaves_out(trained_run
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def test_lone_surrogates_and_deep_nesting_are_400s_naming_the_field(live: Live) -> None:
+    def post(path: str, body: bytes) -> httpx.Response:
+        return httpx.post(f"{live.url}{path}", content=body, headers={"Content-Type": "application/json"})
+
+    cases = [
+        ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", b'{"prompt": ["a", "\\udfffb"], "max_tokens": 2}', "prompt[1]"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+         "messages[0].content"),
+        ("/v1/chat/completions",
+         b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+         "messages[0].content[0].text"),
+        ("/v1/attention", b'{"text": "a\\ud800b"}', "text"),
+        ("/v1/attention", b'{"text": "a", "messages": [{"role": "user", "content": "\\udc00"}]}',
+         "messages[0].content"),
+        ("/tokenize", b'{"prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": 2, "stop": ["x", "\\ud800"]}', "stop[1]"),
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": 2, "user": "\\ud800"}', "user"),
+        ("/v1/completions", b'{"prompt": "a", "x\\ud800": 1}', None),
+    ]
+    for path, body, param in cases:
+        reply = post(path, body)
+        assert reply.status_code == 400, (path, body, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == param and error["code"] == "invalid_text", (path, error)
+        assert error["type"] == "invalid_request_error" and (param or "the body") in error["message"]
+    pair = post("/v1/completions", b'{"prompt": "a\\ud83d\\ude00", "max_tokens": 1}')  # a proper pair: 😀
+    assert pair.status_code != 500, pair.text
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/attention"):
+        for n in (100_000, 5000, 100):  # past the decoder's recursion limit, and within it
+            deep = b"{\"prompt\": " + b"[" * n + b"]" * n + b"}"
+            reply = post(path, deep)
+            assert reply.status_code == 400, (path, reply.text[:200])
+            assert reply.json()["error"]["code"] == "too_deep"

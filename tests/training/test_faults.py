@@ -331,6 +331,19 @@ def test_a_damaged_checkpoint_is_one_line(data_dir: Path, tmp_path: Path, damage
     one_line_error(capsys, ["sample", str(run), "--max-new-tokens", "3"], str(run / BEST), message)
 
 
+def test_a_truncated_last_checkpoint_says_how_to_resume_from_the_intact_best(
+        data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run = tmp_path / "run"
+    train(run, data_dir, MODEL, TRAIN, stop_at=3, progress=False)
+    best_step = load_checkpoint(run, prefer=BEST).state["step"]
+    data = (run / LAST).read_bytes()
+    (run / LAST).write_bytes(data[: len(data) // 2])
+    one_line_error(capsys, ["train", "--resume", "--out", str(run)], "last.safetensors is not a readable",
+                   f"best.safetensors (step {best_step}) is intact: copy it over")
+    (run / LAST).write_bytes((run / BEST).read_bytes())  # as the line says
+    assert resume(run, progress=False).step == TRAIN.max_steps
+
+
 def test_a_float16_checkpoint_cannot_be_resumed(data_dir: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"

@@ -51,7 +51,14 @@ from gptlab.text.tokenizer import Tokenizer
 from gptlab.training import distributed
 from gptlab.training.loop import Trainer, TrainResult
 from gptlab.training.presets import config_layers
-from gptlab.training.resume import change, check_resumable, extended, refuse_changes, resume_changes
+from gptlab.training.resume import (
+    change,
+    check_resumable,
+    extended,
+    refuse_changes,
+    resume_changes,
+    with_intact_best,
+)
 from gptlab.training.runs import (
     check_settings,
     decide_for_machine,
@@ -204,7 +211,10 @@ def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_
     train.RESUMABLE fields may change), and its data file must be unchanged."""
     out = Path(out)
     with run_folder(out, new=False):
-        checkpoint = load_checkpoint(out, prefer=LAST)
+        try:
+            checkpoint = load_checkpoint(out, prefer=LAST)
+        except ValueError as err:
+            raise with_intact_best(out, err) from None
         check_resumable(checkpoint, out)
         state = checkpoint.state
         if "sft" not in state:

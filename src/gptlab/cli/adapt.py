@@ -65,14 +65,16 @@ def lora_config(args: argparse.Namespace) -> Any:
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Fine-tune a run on JSONL examples (or continue doing so), then report the run."""
     from gptlab.adapt.finetune import finetune, resume_finetune
-    from gptlab.checkpoint import LAST, has_checkpoint
+    from gptlab.checkpoint import LAST, has_checkpoint, load_header
     from gptlab.training import distributed
 
     sft = SFTConfig(**config_overrides(args, SFTConfig))  # --data among them
     lora, train_overrides = lora_config(args), config_overrides(args, TrainConfig)
     progress = not args.no_progress
     repeated = not args.resume and has_checkpoint(Path(args.out), LAST)
-    if repeated:  # the same command again continues its run; one that would change it is refused by name
+    # The same command again continues its run (one that would change it is refused by name); a run of
+    # another kind there is refused by resume_finetune, with no note before it.
+    if repeated and "sft" in load_header(args.out, prefer=LAST).state:
         print(f"note: {args.out} already holds a fine-tuning run: continuing it, as --resume would")
     if args.resume or repeated:
         result, data, notes = resume_finetune(args.base, args.out, sft, train_overrides, lora, args.stop_at,

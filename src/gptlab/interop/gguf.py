@@ -41,6 +41,7 @@ from gptlab.checkpoint import (
     require_architecture,
     resolve_checkpoint,
 )
+from gptlab.common import need
 from gptlab.config import ModelConfig, SettingError
 from gptlab.files import atomic_write, remove_abandoned_temporaries
 from gptlab.interop.gpt2 import from_gpt2_state, to_gpt2_state
@@ -107,13 +108,13 @@ def export_problems(config: ModelConfig) -> list[str]:
                         "use {arrangement} pre")
     if not config.causal:
         problems.append(f"{{not_causal}}: {where} are causal: use {{causal}}")
-    for name, need in needs.items():
+    for name, wanted in needs.items():
         value = getattr(config, name)
-        if value != need:
+        if value != wanted:
             exact = value == "gelu_exact" and graph == "gpt2"
             detail = " (llama.cpp's gpt2 graph computes the tanh GELU)" if exact else ""
             problems.append(f"{_setting(name, value)}: llama.cpp's {graph} graph needs "
-                            f"{_setting(name, need)}{detail}")
+                            f"{_setting(name, wanted)}{detail}")
     if graph == "gpt2" and config.kv_heads != config.n_head:
         problems.append(f"{{n_kv_head}} {config.n_kv_head}: llama.cpp's gpt2 graph gives every head its keys "
                         "and values: leave {n_kv_head} out (or use the llama shape: {positions} rope)")
@@ -152,7 +153,7 @@ def deinterleave_heads(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _name_table(arch: str, config: ModelConfig) -> Any:
-    import gguf
+    gguf = need("gguf", "gguf", "export-gguf")
 
     return gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.n_layer)
 
@@ -239,7 +240,7 @@ class GGUFVocab:
 def gguf_vocab(tokenizer: Mapping[str, Any], vocab_size: int) -> GGUFVocab:
     """A saved gptlab tokenizer as llama.cpp's byte-level BPE, padded to the model's vocabulary; char and
     other vocabularies llama.cpp cannot tokenize are refused."""
-    import gguf
+    gguf = need("gguf", "gguf", "export-gguf")
 
     kind = tokenizer["kind"]
     if kind == "byte":  # byte b is id b: a byte-level BPE without merges
@@ -273,7 +274,7 @@ def gguf_vocab(tokenizer: Mapping[str, Any], vocab_size: int) -> GGUFVocab:
 
 def tokenizer_from_vocab(vocab: GGUFVocab) -> Tokenizer:
     """A gptlab bpe tokenizer that encodes as the GGUF vocabulary does (unused padding rows left out)."""
-    import gguf
+    gguf = need("gguf", "gguf", "reading a GGUF file")
 
     used = {t: i for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.types, strict=True))
             if kind != gguf.TokenType.UNUSED}
@@ -299,7 +300,7 @@ def chat_template_source(checkpoint: Checkpoint) -> str | None:
 
 def exported_from(path: Path) -> str | None:
     """The checkpoint a GGUF file was exported from (its SOURCE_KEY), or None for any other file."""
-    import gguf
+    gguf = need("gguf", "gguf", "reading a GGUF file")
 
     try:
         return _field(gguf.GGUFReader(str(path)), SOURCE_KEY)
@@ -310,7 +311,7 @@ def exported_from(path: Path) -> str | None:
 def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExport:
     """Write a run's best checkpoint as a GGUF file llama.cpp runs; everything is checked first. An
     existing `out` is replaced only when it is an earlier export of the same checkpoint."""
-    import gguf
+    gguf = need("gguf", "gguf", "export-gguf")
 
     if kind not in GGUF_TYPES:
         raise SettingError(f"{{t}} {kind} is not one of: {', '.join(GGUF_TYPES)}", t="kind")
@@ -359,7 +360,7 @@ def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExpo
 
 
 def _write_metadata(writer: Any, config: ModelConfig, arch: str, kind: str) -> None:
-    import gguf
+    gguf = need("gguf", "gguf", "export-gguf")
 
     file_types = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                   "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
@@ -405,7 +406,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
 
 def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], GGUFVocab]:
     """The config, gptlab tensors (float32) and vocabulary of a GGUF file that export_gguf wrote."""
-    import gguf
+    gguf = need("gguf", "gguf", "reading a GGUF file")
 
     reader = gguf.GGUFReader(str(path))
     arch = _field(reader, "general.architecture")

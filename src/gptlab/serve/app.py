@@ -43,6 +43,7 @@ from gptlab.serve.completion import Completion, Served, start_completion
 from gptlab.serve.guard import LOOPBACK_NAMES, Guard
 from gptlab.serve.page import playground
 from gptlab.serve.schemas import (
+    MAX_DEPTH,
     SAMPLING_DEFAULTS,
     APIError,
     AttentionRequest,
@@ -51,6 +52,7 @@ from gptlab.serve.schemas import (
     DetokenizeRequest,
     Limits,
     TokenizeRequest,
+    check_body,
     parse,
     with_defaults,
 )
@@ -251,7 +253,7 @@ def model_card(served: Served) -> dict[str, Any]:
 
 async def read_json(request: Request) -> Any:
     """The request's body as JSON: 415 unless it says it is JSON, 413 past MAX_BODY bytes (declared or
-    sent), 400 when it is not JSON."""
+    sent), 400 when it is not JSON, nests too deep or holds a lone surrogate (`schemas.check_body`)."""
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
         raise APIError(415, f"Content-Type {media_type or 'missing'!r}: send the body as application/json",
@@ -268,9 +270,14 @@ async def read_json(request: Request) -> Any:
         if len(body) > MAX_BODY:
             raise too_large
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}", None, "invalid_json") from None
+    except RecursionError:  # the decoder recurses once per level: a body of 100,000 "[" ends here
+        raise APIError(400, f"the request body nests arrays and objects more than {MAX_DEPTH} deep", None,
+                       "too_deep") from None
+    check_body(data)  # lone surrogates, and nesting the decoder allowed but past MAX_DEPTH
+    return data
 
 
 async def attention_row(body: AttentionRequest, served: Served, chat: ChatServing) -> dict[str, Any]:

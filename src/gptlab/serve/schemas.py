@@ -16,6 +16,7 @@ calls.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from gptlab.config import SamplingConfig, SettingError
 MAX_LOGPROBS = 20  # OpenAI allows 5; more is an extension
 SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k")  # the fields a model's own defaults may fill
 UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}  # pydantic's names of union members
+MAX_DEPTH = 32  # arrays and objects nested in a body at most (OpenAI's bodies need about 5)
+SURROGATE = re.compile("[\ud800-\udfff]")  # left by JSON's "\\ud800" alone; a proper pair decodes to one
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,42 @@ def parse(model: type[BaseModel], data: Any) -> Any:
         shown = repr(first.get("input"))[:80]
         raise APIError(400, f"{param}={shown} is invalid: {first['msg'][0].lower()}{first['msg'][1:]}",
                        param, "invalid_type") from None
+
+
+def check_body(data: Any) -> None:
+    """A 400 APIError naming the field for decoded JSON that no route can use: arrays and objects nested
+    past MAX_DEPTH, or a string (or field name) holding a lone surrogate ("a\\ud800b"), which is no
+    character and cannot be encoded, compared or sent back as UTF-8. Walked without recursion."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if isinstance(value, str):
+            found = SURROGATE.search(value)
+            if found:
+                code = ord(found.group())
+                raise APIError(400, f"{path or 'the body'}: the text holds the lone surrogate U+{code:04X}, "
+                               "which is no character; send the text as UTF-8 (a pair such as "
+                               "\\ud83d\\ude00 is fine)", path or None, "invalid_text")
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth >= MAX_DEPTH:
+            raise APIError(400, f"{path or 'the body'}: arrays and objects are nested more than {MAX_DEPTH} "
+                           "deep", path or None, "too_deep")
+        if isinstance(value, list):
+            stack.extend((value[i], f"{path}[{i}]", depth + 1) for i in reversed(range(len(value))))
+            continue
+        children = []
+        for key, item in value.items():
+            if SURROGATE.search(key):
+                raise APIError(400, f"a field name in {path or 'the body'} holds a lone surrogate, which is "
+                               "no character; send the text as UTF-8", path or None, "invalid_text")
+            if not key.isidentifier():
+                step = f"[{json.dumps(key)}]"
+            else:
+                step = f".{key}" if path else key
+            children.append((item, path + step, depth + 1))
+        stack.extend(reversed(children))  # the first bad field is the one named
 
 
 def field_path(loc: tuple[int | str, ...]) -> str:

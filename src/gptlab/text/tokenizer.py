@@ -361,8 +361,9 @@ def load_gpt2_encoding() -> Any:
         import tiktoken
     except ImportError:
         raise SettingError(
-            "the gpt2 tokenizer needs the tiktoken package: `pip install tiktoken` and run once with "
-            "internet to cache GPT-2's files, or use {t} bpe", t="tokenizer",
+            "the gpt2 tokenizer needs the tiktoken package (the gpt2 extra): `pip install 'gptlab[gpt2]'` "
+            "or `pip install tiktoken` and run once with internet to cache GPT-2's files, or use {t} bpe",
+            t="tokenizer",
         ) from None
     try:
         return tiktoken.get_encoding("gpt2")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.checkpoint import (
+    BEST,
     LAST,
     Checkpoint,
     architecture,
@@ -81,6 +82,18 @@ def data_from_state(state: dict[str, Any], run_dir: Path) -> TrainingData:
         data_folder(run_dir, state))
 
 
+def with_intact_best(run_dir: Path, err: ValueError) -> ValueError:
+    """`err` (an unreadable last checkpoint), saying how to go on from the best one when that is intact."""
+    if not (run_dir / BEST).is_file():
+        return err
+    try:
+        step = load_header(run_dir / BEST).state.get("step")
+    except ValueError:
+        return err
+    return ValueError(f"{err}; {run_dir / BEST} (step {step}) is intact: copy it over {run_dir / LAST} to "
+                      "resume from that step")
+
+
 def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = True,
            expect: str | None = None, changes: dict[str, Any] | None = None,
            data: str | Path | None = None) -> TrainResult:
@@ -93,10 +106,14 @@ def resume(run_dir: str | Path, *, stop_at: int | None = None, progress: bool = 
     """
     run_dir = Path(run_dir)
     with run_folder(run_dir, new=False):
-        saved = load_header(run_dir, prefer=LAST).train_config
-        # A sharded run reads only its own shards; any other reads whole tensors.
-        lazy = distributed.this_process().world_size > 1 and saved is not None and saved.parallel == "fsdp"
-        checkpoint = load_checkpoint(run_dir, prefer=LAST, lazy=lazy)
+        try:
+            saved = load_header(run_dir, prefer=LAST).train_config
+            # A sharded run reads only its own shards; any other reads whole tensors.
+            lazy = (distributed.this_process().world_size > 1 and saved is not None
+                    and saved.parallel == "fsdp")
+            checkpoint = load_checkpoint(run_dir, prefer=LAST, lazy=lazy)
+        except ValueError as err:
+            raise with_intact_best(run_dir, err) from None
         if expect is not None:
             require_architecture(architecture(checkpoint.model_config), run_dir, expect)
         check_resumable(checkpoint, run_dir)
@@ -192,7 +209,10 @@ def resume_as_given(run_dir: str | Path, *, preset: str | None = None, toml_path
     `data` may name the run's prepared folder, moved; any other setting is refused, by name, with both
     values. `data` and `tokenizer` are as `train` takes them (None: not given)."""
     run_dir = Path(run_dir)
-    header = load_header(run_dir, prefer=LAST)
+    try:
+        header = load_header(run_dir, prefer=LAST)
+    except ValueError as err:
+        raise with_intact_best(Path(run_dir), err) from None
     require_architecture(architecture(header.model_config), run_dir, "decoder")
     prepared = data is not None and (Path(data) / "meta.json").is_file()
     changes = dict(train_overrides or {})
