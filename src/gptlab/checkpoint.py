@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from gptlab import sharded
 from gptlab.config import ModelConfig, Seq2SeqConfig, SettingError, TaskConfig, TrainConfig
-from gptlab.files import RunLock, atomic_write, remove_stale_temporaries
+from gptlab.files import RunLock, atomic_write, file_sha256, remove_stale_temporaries
 from gptlab.layouts import decoding_layout
 from gptlab.model import GPT
 from gptlab.quantize import inference_weights
@@ -36,6 +36,7 @@ from gptlab.text.tokenizer import DamagedTokenizerError, SymbolTokenizer, Tokeni
 
 FORMAT = "gptlab-checkpoint-1"
 # The state key of an adapter run (`gptlab finetune --lora`): {"base": its base run's checkpoint file,
+# "base_sha256": that file's SHA-256 when the run started (runs from before it was recorded have none),
 # "config": the LoraConfig}. Such a checkpoint holds only the adapter tensors.
 ADAPTER = "lora"
 LAST, BEST = "last.safetensors", "best.safetensors"
@@ -113,7 +114,8 @@ class Checkpoint:
 
 
 def adapted_model(checkpoint: Checkpoint) -> GPT:
-    """The base run's model (`checkpoint.state[ADAPTER]["base"]`) with the checkpoint's LoRA adapters."""
+    """The base run's model (`checkpoint.state[ADAPTER]["base"]`) with the checkpoint's LoRA adapters;
+    a base whose file changed since the adapters were trained on it (its recorded SHA-256) is refused."""
     # gptlab.adapt builds on this module (lora -> interop.huggingface -> checkpoint): imported when used,
     # not above.
     from gptlab.lora import LoraConfig, add_lora, load_lora_state
@@ -123,6 +125,10 @@ def adapted_model(checkpoint: Checkpoint) -> GPT:
     if not base_file.is_file():
         raise ValueError(f"{checkpoint.source} holds LoRA adapters for the base model {base_file}, which is "
                          "not there: put the base run back, or merge the adapters (gptlab merge) while it is")
+    if "base_sha256" in saved and file_sha256(base_file) != saved["base_sha256"]:
+        raise ValueError(f"{checkpoint.source}'s LoRA adapters were trained on {base_file}, which has "
+                         "changed since (its content hash differs): restore that base, or fine-tune again "
+                         "from the base as it is now")
     base = load_checkpoint(base_file)
     if base.model_config != checkpoint.model_config or ADAPTER in base.state:
         raise ValueError(f"{base_file} is not the base model {checkpoint.source} was trained on (another "

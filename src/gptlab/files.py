@@ -6,6 +6,7 @@ the platform can open one (not on Windows, whose folders cannot be opened as fil
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -46,6 +47,15 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
         fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 1 MiB chunks: its identity, to tell it changed."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(2**20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -21,7 +21,7 @@ from gptlab.config import TrainConfig
 from gptlab.experiments.compare import compare, plan
 from gptlab.experiments.grid import RunOptions
 from gptlab.experiments.report import Difference
-from gptlab.experiments.runner import FINAL
+from gptlab.experiments.runner import FINAL, data_folders
 
 TEXT = "".join(f"{w} the {o} {i % 7}.\n" for i in range(400) for w, o in (("a cat sat on", "mat"),
                                                                          ("my dog ran to", "door")))
@@ -127,7 +127,7 @@ def test_a_killed_comparison_resumes_its_runs_to_the_weights_of_uninterrupted_on
 
     grid = plan(opts, [("positions", ("learned",))], (1,), out)
     reference = tmp_path / "reference"
-    data = out / "data" / "corpus.txt-char"
+    data = data_folders(grid.cells, out)[grid.cells[0].name]
     train(reference, data, grid.cells[0].model_config, grid.runs[0].train_config, progress=False)
     resumed = load_checkpoint(first, prefer=LAST).model_state
     straight = load_checkpoint(reference, prefer=LAST).model_state

@@ -44,7 +44,8 @@ def test_later_inputs_are_caught_by_replacement_exactly() -> None:
         return ids.float()[:, None, :] * seen.T
 
     generator = torch.Generator().manual_seed(0)
-    dependence = checks.replacement_dependence(causal, tokens, generator, first=0, vocab=10)
+    evidence = checks.replacement_dependence(causal, tokens, generator, first=0, vocab=10)
+    dependence = checks.dependence_matrix(evidence)
     assert torch.all(dependence.triu(1) == 0) and torch.all(dependence[1:, 1:][seen[1:, 1:].bool()] > 0)
     assert checks.ignores_later_inputs(dependence, "causal").passed
     leak = checks.replacement_dependence(reads_ahead, tokens, generator, first=0, vocab=10)

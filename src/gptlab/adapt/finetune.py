@@ -10,14 +10,14 @@ What a fine-tuned run records in its checkpoint state, beside the training count
     "base"           the base run's checkpoint file
     "chat_template"  the template its examples were rendered with (so chat and serve render the same)
     "generation"     the base's sampling defaults, when it had any (an import's generation_config.json)
-    "lora"           with --lora: the LoraConfig and the base file; the checkpoint then holds only the
-                     adapter tensors, and `Checkpoint.build_model` puts them on the base (checkpoint.ADAPTER)
+    "lora"           with --lora: the LoraConfig, the base file and its SHA-256; the checkpoint then holds
+                     only the adapter tensors, and `Checkpoint.build_model` puts them on the base, refusing
+                     a base whose file has changed since (checkpoint.ADAPTER)
 `merge_run` folds the adapters into the weights and writes a normal run.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from gptlab.checkpoint import (
 )
 from gptlab.common import seed_everything
 from gptlab.config import SettingError, TrainConfig
+from gptlab.files import file_sha256
 from gptlab.lora import LoraConfig, add_lora, merge_lora, trainable_parameters
 from gptlab.model import GPT
 from gptlab.text.chat_template import ChatTemplate, missing_tokens, template_from_state
@@ -72,11 +73,7 @@ KEPT = ("base", "chat_template", "generation", ADAPTER)  # the state keys a run 
 
 def file_digest(path: str | Path) -> str:
     """The SHA-256 of a file, so that a resumed run can tell its data was changed."""
-    digest = hashlib.sha256()
-    with Path(path).open("rb") as f:
-        for chunk in iter(lambda: f.read(2**20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+    return file_sha256(Path(path))
 
 
 def split_examples(examples: list[Example], val_fraction: float) -> tuple[list[Example], list[Example]]:
@@ -192,7 +189,8 @@ def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config:
     record = {"base": base_file, "chat_template": template.to_dict(),
               **{key: start.state[key] for key in ("generation",) if key in start.state}}
     if lora is not None:
-        record[ADAPTER] = {"base": base_file, "config": lora.to_dict()}
+        record[ADAPTER] = {"base": base_file, "base_sha256": file_sha256(Path(base_file)),
+                           "config": lora.to_dict()}
     data = SFTData(config, tokenizer, template, model.config.block_size, record)
     with run_folder(out, new=True), distributed.session(train_config.device) as (dist, device):
         train_config, machine_record = decide_for_machine(model.config, train_config, dist, device)

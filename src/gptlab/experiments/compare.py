@@ -1,8 +1,8 @@
 """`gptlab compare` as a library call: plan the grid, prepare its data, train what is not done, report.
 
 OUT holds compare.json (the grid, and the precision decided once for this machine), data/ (each text
-prepared once), logs/ (one log per run), a run folder per cell and seed, and the report (report.md,
-report.html, curves.png), rewritten after every call.
+prepared once, named by its content), logs/ (one log per run), a run folder per cell and seed, and the
+report (report.md, report.html, curves.png), rewritten after every call.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from gptlab.config import SettingError
 from gptlab.experiments.estimate import run_seconds, step_seconds
 from gptlab.experiments.grid import Cell, Run, RunOptions, build_grid, find_cell, grid_runs, safe_name
 from gptlab.experiments.report import CellSummary, write_report
-from gptlab.experiments.runner import Outcome, data_folder_for, plan_job, prepare_data, run_jobs
+from gptlab.experiments.runner import Outcome, data_folders, plan_job, prepare_data, run_jobs
 from gptlab.files import RunLock, atomic_write_text
 from gptlab.training.machine import cores, share_cores
 
@@ -73,8 +73,9 @@ def describe(grid: Grid, jobs: int, threads: int) -> list[str]:
     lines = [f"{len(grid.cells)} cell(s) x {seeds} seed(s) = {len(grid.runs)} runs, {jobs} at a time with "
              f"{threads} thread(s) each; baseline {grid.baseline.name}"]
     seconds, probes = 0.0, {}
+    folders = data_folders(grid.cells, grid.runs[0].folder.parents[1])
     for cell in grid.cells:
-        folder = data_folder_for(cell, grid.runs[0].folder.parents[1])
+        folder = folders[cell.name]
         vocab = TokenData(folder).tokenizer.vocab_size if (folder / "meta.json").is_file() else 256
         model = cell.model_config.replace(vocab_size=vocab)
         shape = (json.dumps(model.to_dict()), cell.train_config.batch_size, cell.train_config.grad_accum,

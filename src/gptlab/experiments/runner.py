@@ -12,6 +12,7 @@ checkpoint scored on the validation split (`final.json`), the figure the report 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import logging
 import multiprocessing
@@ -20,13 +21,14 @@ import queue
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gptlab.checkpoint import LAST, has_checkpoint, load_header
-from gptlab.config import ModelConfig, SettingError, TrainConfig
+from gptlab.config import CORPORA, ModelConfig, SettingError, TrainConfig
 from gptlab.experiments.grid import Cell, Run, config_differences, safe_name
 from gptlab.files import atomic_write_text
 
@@ -70,14 +72,34 @@ class Outcome:
         return spell(SettingError(self.template, **self.settings)) if self.template else self.message
 
 
-def data_folder_for(cell: Cell, out: Path) -> Path:
-    """Where a cell's text is prepared: OUT/data/<source>-<tokenizer>, shared by every cell that reads the
-    same text with the same tokenizer; a prepared folder given as the data is used as it is."""
-    options = cell.options
-    if (Path(options.data) / "meta.json").is_file():
-        return Path(options.data)
-    size = f"-{options.tokenizer_vocab_size}" if options.tokenizer_vocab_size else ""
-    return out / "data" / safe_name(f"{Path(options.data).name or options.data}-{options.tokenizer}{size}")
+def content_key(source: str) -> str:
+    """A built-in corpus's name, else `sha256-` and the start of the SHA-256 of the text `source` names, as
+    `load_text` reads it: two files of one name get two keys, one text under two names one."""
+    from gptlab.data.corpora import load_text
+
+    if source in CORPORA:
+        return source
+    with warnings.catch_warnings():  # about the text: preparing it says so, once
+        warnings.simplefilter("ignore")
+        text = load_text(source)
+    return "sha256-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+def data_folders(cells: list[Cell], out: Path) -> dict[str, Path]:
+    """Where each cell's text is prepared (cell name -> folder): OUT/data/<content_key>-<tokenizer>, shared
+    by every cell that reads the same text with the same tokenizer; a prepared folder is used as it is."""
+    keys: dict[str, str] = {}
+    folders = {}
+    for cell in cells:
+        options = cell.options
+        if (Path(options.data) / "meta.json").is_file():
+            folders[cell.name] = Path(options.data)
+            continue
+        if options.data not in keys:  # each text is read once
+            keys[options.data] = content_key(options.data)
+        size = f"-{options.tokenizer_vocab_size}" if options.tokenizer_vocab_size else ""
+        folders[cell.name] = out / "data" / safe_name(f"{keys[options.data]}-{options.tokenizer}{size}")
+    return folders
 
 
 def prepare_data(cells: list[Cell], out: Path, progress: bool) -> dict[str, Path]:
@@ -85,20 +107,13 @@ def prepare_data(cells: list[Cell], out: Path, progress: bool) -> dict[str, Path
     prepared folder. A folder prepared by an earlier call from the same text is reused."""
     from gptlab.data.prepare import prepare
 
-    folders: dict[str, Path] = {}
+    folders = data_folders(cells, out)
     for cell in cells:
-        folder, options = data_folder_for(cell, out), cell.options
-        meta = folder / "meta.json"
-        if meta.is_file():
-            source = json.loads(meta.read_text(encoding="utf-8")).get("source")
-            if folder.parent == out / "data" and source != options.data:
-                raise SettingError(f"{folder} was prepared from {source}, not {options.data}: choose "
-                                   "another {out}", out="out")
-        else:
+        folder, options = folders[cell.name], cell.options
+        if not (folder / "meta.json").is_file():
             log.info(f"preparing {options.data} with the {options.tokenizer} tokenizer into {folder}")
             prepare(options.data, folder, tokenizer=options.tokenizer,
                     vocab_size=options.tokenizer_vocab_size, progress=progress)
-        folders[cell.name] = folder
     return folders
 
 
@@ -128,7 +143,7 @@ def plan_job(run: Run, data: Path, threads: int, logs: Path) -> Job | None:
                            "another {out}", out="out")
     changes = {"max_steps": train.max_steps} if train.max_steps != saved.max_steps else {}
     step = header.state["step"]
-    if step < train.max_steps:
+    if step < train.max_steps or header.state.get("evaluation_due"):  # or its last evaluation abandoned
         return Job(**{**job.__dict__, "action": "resume", "changes": changes})
     if scored_step(run.folder) == step:
         return None

@@ -14,17 +14,45 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gptlab import model as M
 
+UNBELIEVED = ("the checking process reported a pass without the numbers behind it: the learner's code "
+              "changed the checks while they ran")
+TAMPERED = ("the numbers measured fail this check although the checking process reported a pass: the "
+            "learner's code changed torch or the checks while they ran")
 EPSILONS = 100  # verify's tolerances: this many machine epsilons of the model's dtype, times the values' size
 
 Reference = torch.Tensor | Sequence
 Tolerance = float | Callable[[torch.Tensor], float]  # a bound, or one computed from the reference
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """The raw numbers a verdict is computed from, so that another process can compute it again (`judge`):
+    `gptlab check` takes only numbers from the process that runs a learner's code, never verdicts."""
+
+    rule: str  # a key of RULES
+    values: tuple[torch.Tensor, ...]
+    bound: float = 0.0
+
+    def record(self) -> dict[str, Any]:
+        """As JSON-ready data: each tensor as its shape and its values in float64."""
+        return {"rule": self.rule, "bound": self.bound,
+                "values": [{"shape": list(t.shape), "data": t.detach().double().flatten().tolist()}
+                           for t in self.values]}
+
+    @staticmethod
+    def from_record(record: dict[str, Any]) -> Evidence:
+        """The evidence `record()` wrote."""
+        values = tuple(torch.tensor(value["data"], dtype=torch.float64).reshape(value["shape"])
+                       for value in record["values"])
+        return Evidence(str(record["rule"]), values, float(record["bound"]))
 
 
 @dataclass(frozen=True)
@@ -40,11 +68,16 @@ class Check:
     tolerance: float | None = None  # the bound it is held to
     note: str = ""  # what was measured, or why the property does not apply
     cause: str = ""  # on a failure of a learner's code: the most likely cause and its fix
+    evidence: Evidence | None = field(default=None, compare=False, repr=False)  # what `passed` comes from
 
     @property
     def verdict(self) -> str:
         """PASS, FAIL, or n/a where the property does not apply, as both commands print it."""
         return {True: "PASS", False: "FAIL", None: "n/a"}[self.passed]
+
+    def record(self) -> dict[str, Any]:
+        """The fields as plain data, without the evidence."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "evidence"}
 
 
 def failed(checks: Iterable[Check]) -> list[Check]:
@@ -100,7 +133,8 @@ def all_close(section: str, name: str, pairs: Iterable[tuple[torch.Tensor, Refer
     bound = max(tol(ref) if callable(tol) else tol for _, ref in tensors)
     got, ref = tensors[0] if len(tensors) == 1 else ([p[0] for p in tensors], [p[1] for p in tensors])
     return Check(section, name, deviation <= bound, f"{shown or fmt(ref)} (max |diff| <= {bound:g})",
-                 f"{fmt(got)} (max |diff| = {deviation:.1e})", deviation, bound, note)
+                 f"{fmt(got)} (max |diff| = {deviation:.1e})", deviation, bound, note,
+                 evidence=Evidence("close", tuple(t.detach() for pair in tensors for t in pair), bound))
 
 
 def close(section: str, name: str, computed: torch.Tensor, reference: Reference, tol: Tolerance,
@@ -113,12 +147,21 @@ def identical(section: str, name: str, computed: torch.Tensor, reference: torch.
     """computed is bit-identical to reference (torch.equal)."""
     same, diff = torch.equal(computed, reference), max_diff(computed, reference)
     return Check(section, name, same, f"{what}: bit-identical (torch.equal)",
-                 f"torch.equal = {same}, max |diff| = {diff:.1e}", diff, 0.0)
+                 f"torch.equal = {same}, max |diff| = {diff:.1e}", diff, 0.0,
+                 evidence=Evidence("equal", (computed.detach(), reference.detach())))
 
 
 def exceeds(section: str, name: str, value: float, bound: float, what: str, note: str = "") -> Check:
     """A property that must visibly hold: value > bound (e.g. outputs do move)."""
-    return Check(section, name, value > bound, f"{what} > {bound:g}", f"{value:.3e}", value, bound, note)
+    return Check(section, name, value > bound, f"{what} > {bound:g}", f"{value:.3e}", value, bound, note,
+                 evidence=Evidence("above", (torch.tensor(float(value)),), bound))
+
+
+def at_most(section: str, name: str, value: float, bound: float, expected: str, computed: str,
+            note: str = "", cause: str = "") -> Check:
+    """A measured number held to a bound: value <= bound, with the expectation and the value in words."""
+    return Check(section, name, value <= bound, expected, computed, value, bound, note, cause,
+                 evidence=Evidence("within", (torch.tensor(float(value)),), bound))
 
 
 def differs(section: str, name: str, a: torch.Tensor, b: torch.Tensor, bound: float) -> Check:
@@ -174,25 +217,99 @@ def permutation_equivariant(name: str, fn: Callable[[torch.Tensor], torch.Tensor
     return close("§6.1", name, fn(x[:, perm]), fn(x)[:, perm], tol, shown, note)
 
 
-def ignores_later_inputs(dependence: torch.Tensor, name: str, what: str = "change", note: str = "") -> Check:
-    """§7.3: entry (i, j) of `dependence` (T, T) says how much output i moves with input j: 0 for j > i."""
-    future = float(dependence.triu(1).max())
+def ignores_later_inputs(dependence: torch.Tensor | Evidence, name: str, what: str = "change",
+                         note: str = "") -> Check:
+    """§7.3: entry (i, j) of `dependence` (T, T) says how much output i moves with input j: 0 for j > i.
+
+    Given as the matrix, or as the raw outputs it is reduced from (`changes`, `gradient_rows`)."""
+    evidence = (dependence if isinstance(dependence, Evidence)
+                else Evidence("dependence", (dependence.detach(),)))
+    future = float(dependence_matrix(evidence).triu(1).max())
     return Check("§7.3", name, future == 0.0, f"{what} exactly 0 for every j > i",
-                 f"max |{what}| over j > i = {future:.1e}", future, 0.0, note)
+                 f"max |{what}| over j > i = {future:.1e}", future, 0.0, note, evidence=evidence)
+
+
+def changes(clean: torch.Tensor, changed: torch.Tensor) -> Evidence:
+    """§7.3 evidence from outputs (B, T, ...) and (T - 1, B, T, ...), where changed[j - 1] is the output
+    with every input from position j on redrawn."""
+    return Evidence("changes", (clean.detach(), changed.detach()))
+
+
+def gradient_rows(rows: torch.Tensor) -> Evidence:
+    """§7.3 evidence from gradients (..., T, T, D): d output i / d input row j (leading dims: e.g. blocks)."""
+    return Evidence("gradients", (rows.detach(),))
 
 
 def replacement_dependence(logits_of: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor,
-                           generator: torch.Generator, first: int, vocab: int) -> torch.Tensor:
-    """(T, T): entry (i, j > 0) is max |change| of the logits at i when every token from j on is replaced.
+                           generator: torch.Generator, first: int, vocab: int) -> Evidence:
+    """`changes` of the logits when every token from j on is replaced, for j = 1 .. T - 1: their (T, T)
+    dependence has entry (i, j) = max |change| of the logits at i. tokens is (1, T).
 
-    Each replacement is another id in [first, vocab), drawn from `generator`; tokens is (1, T).
+    Each replacement is another id in [first, vocab), drawn from `generator`.
     """
     clean = logits_of(tokens)  # (1, T, V)
     T = tokens.size(1)
-    dependence = torch.zeros(T, T, device=clean.device)
+    outputs = []
     for cut in range(T - 1):
         changed = tokens.clone()
         shift = torch.randint(1, max(2, vocab - first), (T - cut - 1,), generator=generator).to(tokens.device)
         changed[0, cut + 1:] = first + (tokens[0, cut + 1:] - first + shift) % (vocab - first)
-        dependence[:, cut + 1] = (logits_of(changed) - clean)[0].abs().amax(-1)
-    return dependence
+        outputs.append(logits_of(changed))  # (1, T, V)
+    return changes(clean, torch.stack(outputs) if outputs else clean.new_zeros(0, *clean.shape))
+
+
+def _from_changes(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(T, T) from `changes`: column j is max |changed[j - 1] - clean| over all but the position axis."""
+    clean, changed = values
+    T = clean.size(1)
+    if T < 2:
+        return torch.zeros(T, T, dtype=torch.float64)
+    moved = (changed.double() - clean.double()).abs().transpose(1, 2)  # (T - 1, T, B, ...)
+    return torch.cat([torch.zeros(T, 1, dtype=torch.float64), moved.reshape(T - 1, T, -1).amax(-1).T], dim=1)
+
+
+def _from_gradients(values: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(T, T) from `gradient_rows`: max |gradient| over features, then over any leading dims."""
+    dependence = values[0].double().abs().amax(-1)
+    return dependence.reshape(-1, *dependence.shape[-2:]).amax(0)
+
+
+# How each kind of evidence becomes the number or matrix its verdict reads.
+RULES: dict[str, Callable[[Sequence[torch.Tensor]], torch.Tensor]] = {
+    "dependence": lambda values: values[0].double(),
+    "changes": _from_changes,
+    "gradients": _from_gradients,
+}
+
+
+def dependence_matrix(evidence: Evidence) -> torch.Tensor:
+    """The (T, T) matrix a §7.3 evidence reduces to: entry (i, j), how much output i moves with input j."""
+    return RULES[evidence.rule](evidence.values)
+
+
+def judge(check: Check) -> Check:
+    """`check` with `passed` and `deviation` computed again, here, from its evidence alone.
+
+    What `gptlab check`'s parent does with every check its child sends: a child whose torch or gptlab was
+    changed by the learner's code can still send numbers, but not a verdict. A pass without evidence
+    is not believed."""
+    evidence = check.evidence
+    if check.passed is None or evidence is None:
+        return replace(check, passed=False, cause=UNBELIEVED) if check.passed else check
+    values, bound = evidence.values, evidence.bound
+    if evidence.rule == "close":
+        pairs = zip(values[0::2], values[1::2], strict=True)
+        deviation = max((max_diff(a, b) for a, b in pairs), default=0.0)
+        passed = deviation <= bound
+    elif evidence.rule == "equal":
+        passed, deviation = torch.equal(values[0], values[1]), max_diff(values[0], values[1])
+    elif evidence.rule in ("above", "within"):
+        deviation = float(values[0])
+        passed = deviation > bound if evidence.rule == "above" else deviation <= bound
+    elif evidence.rule in RULES:
+        deviation = float(dependence_matrix(evidence).triu(1).max())
+        passed = deviation == 0.0
+    else:
+        return replace(check, passed=False, cause=UNBELIEVED)
+    cause = check.cause if passed is check.passed else "" if passed else TAMPERED
+    return replace(check, passed=passed, deviation=deviation, tolerance=bound, cause=cause)

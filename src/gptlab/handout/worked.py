@@ -17,7 +17,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gptlab.handout.properties import Check, close, differs, exceeds, identical, rows_sum_to_one
+from gptlab.handout.properties import (
+    Check,
+    Evidence,
+    at_most,
+    close,
+    differs,
+    exceeds,
+    identical,
+    rows_sum_to_one,
+)
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k, v) -> y (B, Tq, dv)
 Scores = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (q, k) -> scaled scores s (B, Tq, Tk)
@@ -63,8 +72,8 @@ def retrieval(attend: Attend) -> list[Check]:
     return [
         close(s, "weights a", weights[0], [0.5, 0.25, 0.25], 1e-6, "[1/2, 1/4, 1/4]"),
         close(s, "retrieval output y", y[0], [2, 1.5], 1e-6, "[2, 1.5]"),
-        Check(s, "weights are nonnegative", bool(weights.min() >= 0), "min a >= 0",
-              f"{weights.min().item():.6f}"),
+        at_most(s, "weights are nonnegative", -weights.min().item(), 0.0, "min a >= 0",
+                f"{weights.min().item():.6f}"),
         close(s, "weights sum to one", weights.sum(-1), [1.0], 1e-6),
         close(s, "y is the weighted sum of the values", y, weights @ values[0], 1e-6, "a @ V"),
         exceeds(s, "y equals no single value", nearest, 0.1, "distance to the nearest value"),
@@ -97,8 +106,8 @@ def score_variance(scores: Scores, sigma: float, samples: int) -> list[Check]:
             ("raw q.k", (q * k).sum(-1).var().item(), d_k * sigma**4),
         ):
             error = value / target - 1
-            results.append(Check("§3.1", f"variance of {label}, d_k={d_k}", abs(error) <= 0.1,
-                                 f"{target:.4f} (relative error <= 10%)", f"{value:.4f} ({error:+.1%})"))
+            results.append(at_most("§3.1", f"variance of {label}, d_k={d_k}", abs(error), 0.1,
+                                   f"{target:.4f} (relative error <= 10%)", f"{value:.4f} ({error:+.1%})"))
     return results
 
 
@@ -129,10 +138,11 @@ def head_parameters(module: nn.Module, n_embd: int, n_head: int) -> Check:
     D = n_embd
     weights = sum(p.numel() for p in module.parameters() if p.dim() >= 2)
     biases = sum(p.numel() for p in module.parameters() if p.dim() < 2)
-    holds = weights == 4 * D * D and biases % D == 0 and biases <= 4 * D
-    return Check("§4", f"attention parameters, D={D}, H={n_head}", holds,
+    counted = torch.tensor([weights, biases % D, max(0, biases - 4 * D)])  # each is 0 but the first
+    expected = torch.tensor([4 * D * D, 0, 0])
+    return Check("§4", f"attention parameters, D={D}, H={n_head}", torch.equal(counted, expected),
                  f"3D^2 + D^2 = {3 * D * D} + {D * D} = {4 * D * D} weights, and 0 to 4D = {4 * D} biases",
-                 f"{weights} weights + {biases} biases")
+                 f"{weights} weights + {biases} biases", evidence=Evidence("equal", (counted, expected)))
 
 
 TWO_HEADS = (4, 2)  # §4.1's D and H (hs = 2)

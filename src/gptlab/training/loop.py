@@ -5,8 +5,9 @@ clipping and accumulation, bfloat16 autocast where it is faster. A run folder ho
 `metrics.csv` (a row per evaluation), `steps.csv` (a row per step), `loss.png`, the dashboards `log`
 asks for (gptlab.training.sinks) and two checkpoints (`last`, `best`); the checkpoint carries the optimiser,
 the step and every random state, so N steps in one go and N/2 + resume + N/2 give identical weights.
-Ctrl-C (or SIGTERM) stops at the next step boundary and saves; a second one aborts at once. A progress
-bar is drawn only on a terminal; elsewhere (a log file, CI) the one line per evaluation is the progress.
+Ctrl-C (or SIGTERM) stops at the next step boundary and saves, abandoning a running evaluation (the
+resumed run does it first); a second one aborts at once. A progress bar is drawn only on a terminal;
+elsewhere (a log file, CI) the one line per evaluation is the progress.
 
 The loop is the same for both architectures: its data source (`TrainingData`) is a prepared text
 folder for the decoder-only model or a built-in task (gptlab.seq2seq.tasks) for the encoder-decoder; a batch
@@ -28,6 +29,7 @@ import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -119,20 +121,26 @@ class TrainResult:
 
 @torch.no_grad()
 def estimate_losses(model: torch.nn.Module, data: TrainingData, config: TrainConfig, block_size: int,
-                    device: torch.device, dtype: torch.dtype) -> dict[str, float]:
-    """Mean loss on the same `eval_batches` random windows of each split at every evaluation."""
+                    device: torch.device, dtype: torch.dtype,
+                    should_stop: Callable[[], bool]) -> dict[str, float] | None:
+    """Mean loss on the same `eval_batches` random windows of each split at every evaluation; None when
+    `should_stop()` turns true before one of its batches (abandoned)."""
     model.eval()
     generator = torch.Generator().manual_seed(config.seed + 1)  # its own stream: training's is untouched
     losses = {}
-    for split in ("train", "val"):
-        total = 0.0
-        for _ in range(config.eval_batches):
-            batch = data.get_batch(split, config.batch_size, block_size, generator)
-            with autocast(device, dtype):
-                _, loss = model(*(t.to(device) for t in batch))
-            total += loss.item()
-        losses[split] = total / config.eval_batches
-    model.train()
+    try:
+        for split in ("train", "val"):
+            total = 0.0
+            for _ in range(config.eval_batches):
+                if should_stop():
+                    return None
+                batch = data.get_batch(split, config.batch_size, block_size, generator)
+                with autocast(device, dtype):
+                    _, loss = model(*(t.to(device) for t in batch))
+                total += loss.item()
+            losses[split] = total / config.eval_batches
+    finally:
+        model.train()
     return losses
 
 
@@ -195,6 +203,7 @@ class Trainer:
         self.frozen = {name for name, p in model.named_parameters(remove_duplicate=False)
                        if not p.requires_grad}
         self.patience, self.stale = patience, 0  # stale: evaluations since the best one
+        self.evaluation_due = False  # an evaluation of this step was abandoned: the resumed run does it
         self.model = distributed.wrap(model.to(device), train_config.parallel, dist, device)
         self.optimizer = make_optimizer(self.model, train_config)
         self.batches = torch.Generator().manual_seed(train_config.seed)  # the data sampler's state
@@ -229,6 +238,7 @@ class Trainer:
         state = checkpoint.state
         self.step, self.best_val = state["step"], state["best_val_loss"]
         self.stale = state.get("stale_evaluations", 0)
+        self.evaluation_due = state.get("evaluation_due", False)
         self.last_val = state["last_val_loss"]
         self.train_time, self.tokens_seen = state["train_time_s"], state["tokens_seen"]
         torch.set_rng_state(checkpoint.rng["torch"])
@@ -244,7 +254,8 @@ class Trainer:
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
         state = {"step": self.step, "best_val_loss": self.best_val, "last_val_loss": self.last_val,
                  "train_time_s": self.train_time, "tokens_seen": self.tokens_seen,
-                 "stale_evaluations": self.stale, **portable(self.data.state(), self.run_dir)}
+                 "stale_evaluations": self.stale, "evaluation_due": self.evaluation_due,
+                 **portable(self.data.state(), self.run_dir)}
         # Frozen weights (a base under adapters) are not saved: the data's state says where they are.
         gather = not self.shard
         weights = {name: tensor for name, tensor in distributed.model_state(self.model, gather).items()
@@ -316,10 +327,14 @@ class Trainer:
             "train/elapsed_s": self.train_time,
         })
 
-    def evaluate_and_save(self) -> None:
-        """Evaluate, append a metrics row, redraw the plot, and save `last` (and `best` if improved)."""
+    def evaluate_and_save(self, should_stop: Callable[[], bool]) -> bool:
+        """Evaluate, append a metrics row, redraw the plot, and save `last` (and `best` if improved); False,
+        recording and saving nothing, when `should_stop()` abandoned the evaluation."""
         losses = estimate_losses(self.model, self.data, self.train_config, self.config.block_size,
-                                 self.device, self.dtype)
+                                 self.device, self.dtype, should_stop)
+        self.evaluation_due = losses is None
+        if losses is None:
+            return False
         self.last_val = losses["val"]
         improved = losses["val"] < self.best_val
         self.best_val = min(self.best_val, losses["val"])
@@ -331,6 +346,7 @@ class Trainer:
         if self.dist.is_main:
             plot_losses(self.run_dir / "metrics.csv", self.run_dir / "loss.png", title=self.run_dir.name,
                         steps_csv=self.run_dir / "steps.csv")
+        return True
 
     def report(self, losses: dict[str, float]) -> None:
         """The main process's record of an evaluation: metrics.csv, the sinks and the log line."""
@@ -392,12 +408,16 @@ class Trainer:
         stopping = False
         with StopOnInterrupt() as stop, tqdm(total=max_steps, initial=self.step, unit="step",
                                              disable=not self.progress, dynamic_ncols=True) as bar:
-            if self.step == 0 and not self.resumed and (self.train_config.eval_interval < max_steps
-                                                        or end == 0):
-                # The untrained baseline, so the curve starts at step 0; a run that evaluates only at its
-                # end (a timed recipe) has no curve to start and skips it, unless it stops right here. A
-                # run resumed from its step-0 checkpoint logged it already.
-                self.evaluate_and_save()
+            def should_stop() -> bool:  # asked between evaluation batches, the same answer on every rank
+                return distributed.all_reduce_sum([float(stop.requested)], self.device)[0] > 0
+
+            if self.evaluation_due or self.step == 0 and not self.resumed and (
+                    self.train_config.eval_interval < max_steps or end == 0):
+                # The evaluation an interruption abandoned, or the untrained baseline, so the curve starts
+                # at step 0; a run that evaluates only at its end (a timed recipe) has no curve to start
+                # and skips it, unless it stops right here. A run resumed from its step-0 checkpoint
+                # logged it already.
+                stopping = not self.evaluate_and_save(should_stop)
             while self.step < end and not stopping and not self.out_of_patience():
                 started, tokens = time.perf_counter(), self.tokens_seen
                 result = self.train_step(stop.requested, self.save_due())
@@ -409,14 +429,16 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.loss:.4f}", tok_s=f"{self.tokens_per_s():,.0f}")
                 if self.step % self.train_config.eval_interval == 0 or self.step == end:
-                    self.evaluate_and_save()
+                    # A stop asked for during the step (or the evaluation) abandons it: it stays due.
+                    stopping = not self.evaluate_and_save(should_stop)
                     if self.out_of_patience():
                         log.info(f"early stop: {self.stale} evaluations without a better validation loss "
                                  f"(best {self.best_val:.4f}, in {self.run_dir / BEST})")
                 elif save_now and not stopping:
                     self.save_last()
             if stopping:
-                log.info(f"interrupted: saving step {self.step} to {self.run_dir / LAST}")
+                due = " (its evaluation abandoned: resuming does it first)" if self.evaluation_due else ""
+                log.info(f"interrupted: saving step {self.step} to {self.run_dir / LAST}{due}")
                 self.save_last()
         return TrainResult(self.run_dir, self.step, self.best_val, self.last_val, self.train_time,
                            self.tokens_per_s(), stopping, stop.signal if stopping else None)

@@ -11,7 +11,6 @@ listed in its top-level output, since a test there would show as passed.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -85,7 +84,7 @@ def json_records(reports: Sequence[FileReport]) -> list[dict[str, Any]]:
     for report in reports:
         for check in report.checks:
             records.append({"file": str(report.path), "status": VERDICT[check.passed].lower(),
-                            **{key: _finite(value) for key, value in dataclasses.asdict(check).items()}})
+                            **{key: _finite(value) for key, value in check.record().items()}})
         if report.error:
             records.append({"file": str(report.path), "status": "error", "error": report.error,
                             "traceback": report.traceback})

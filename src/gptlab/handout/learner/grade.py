@@ -49,7 +49,7 @@ from gptlab.handout.learner.mistakes import (
 )
 from gptlab.handout.learner.parts import BATCH, block_checks, heads_checks
 from gptlab.handout.learner.projections import Wiring, find_wiring
-from gptlab.handout.properties import Check, close, explain, ignores_later_inputs, skipped
+from gptlab.handout.properties import Check, changes, close, explain, ignores_later_inputs, skipped
 from gptlab.handout.worked import (
     batch_items_apart,
     retrieval,
@@ -290,14 +290,14 @@ def _mask_checks(att: AttentionFunction, slip: str) -> list[Check]:
     def masked(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return att.attend(a, b, c, keep)
 
-    dependence = torch.zeros(T, T)
-    clean = masked(q, k, v)
+    outputs = []
     generator = torch.Generator().manual_seed(7)
     for cut in range(1, T):
         redrawn = [t.clone() for t in (q, k, v)]
         for t in redrawn:
             t[:, cut:] = torch.randn(t.size(0), T - cut, t.size(2), generator=generator)
-        dependence[:, cut] = (masked(*redrawn) - clean).abs().amax(dim=(0, 2))
+        outputs.append(masked(*redrawn))  # (B, T, d): every input from `cut` on redrawn
     note = f"mask: {att.convention}"
+    evidence = changes(masked(q, k, v), torch.stack(outputs))
     return [explain(c, cause) for c in (*rows_and_columns(weights_of(masked, q, k), "masked"),
-                                        ignores_later_inputs(dependence, name, note=note))]
+                                        ignores_later_inputs(evidence, name, note=note))]

@@ -5,9 +5,11 @@ without bound, a crash, a call to exit() or a wrong return shape becomes one lin
 problem, but the learner's code runs with your rights and can read, write or delete whatever you can.
 Check only code you would run yourself, or run `gptlab check` inside a container or a throw-away account.
 
-The child is `python -m gptlab.handout.learner.isolate`, started in the learner's folder with a new session
-(so that the whole group can be killed), no stdin, CUDA hidden (the checks run on the CPU; CUDA would also
-reserve address space far beyond any limit) and matplotlib drawing off-screen. It imports torch and the
+The child is `python -m gptlab.handout.learner.isolate`, started in a temporary folder of its own holding
+copies of the learner's file and the .py files beside it (so that, in a batch, one file cannot delete or
+rewrite another), with a new session (its whole process group is killed however it ends), no stdin,
+CUDA hidden (the checks run on the CPU; CUDA would also reserve address space far beyond any limit) and
+matplotlib drawing off-screen. It imports torch and the
 checks first, then caps its address space (RLIMIT_AS, Linux) at what that import took plus `memory_mb`,
 so the limit is the learner's share whatever torch's build maps (measured with torch 2.13's CPU build:
 12 MB of address space for bare Python, 626 MB after importing torch and the checks; a CUDA build maps
@@ -25,11 +27,13 @@ import importlib.util
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +43,7 @@ from typing import IO, Any
 import torch
 
 from gptlab.handout.learner.grade import LearnerError, Names, grade
-from gptlab.handout.properties import Check
+from gptlab.handout.properties import Check, Evidence, judge
 
 MiB = 2**20
 TAIL_BYTES = 8192  # the end of the child's own output kept, for the report of a child that died
@@ -62,38 +66,94 @@ def check_file(path: Path, names: Names, timeout_s: float = 60, memory_mb: int =
     """Import `path` in a child process limited to `timeout_s` seconds and `memory_mb` MB beyond the torch
     import, and grade what it defines there. Isolation against mistakes, not a sandbox (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="gptlab-check-") as folder:
+        copy = _private_copy(path, Path(folder) / "work")
         result = Path(folder) / "result.json"
-        request = {"path": str(path.resolve()), "shown": str(path), "result": str(result),
+        request = {"path": str(copy), "shown": str(path), "result": str(result),
                    "names": dataclasses.asdict(names), "memory_mb": memory_mb}
-        child = subprocess.Popen(
-            [sys.executable, "-m", "gptlab.handout.learner.isolate", json.dumps(request)],
-            cwd=path.resolve().parent,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"},
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        tail, timed_out = _keep_tail(child.stdout), False
-        try:
-            child.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            if child.poll() is None:  # not yet reaped, so its group id cannot have been reused
-                if hasattr(os, "killpg"):
-                    os.killpg(child.pid, signal.SIGKILL)  # the learner's own subprocesses go with it
-                else:  # Windows: no process groups to signal
-                    child.kill()
-                child.wait()
+        returncode, timed_out, tail = _run_child(request, copy.parent, timeout_s)
         if timed_out:
             return FileReport(path, [], f"{path}: stopped at the time limit of {timeout_s:g} s: an endless "
                               "loop, or training at import? Keep script code under `if __name__ == "
-                              "\"__main__\":` (raise the limit with --timeout)", tail())
+                              "\"__main__\":` (raise the limit with --timeout)", tail)
         if not result.exists():
-            return FileReport(path, [], _death(path, child.returncode, memory_mb), _own_lines(tail(), path))
+            return FileReport(path, [], _death(path, returncode, memory_mb),
+                              _own_lines(tail, copy).replace(str(copy), str(path)))
         outcome = json.loads(result.read_text(encoding="utf-8"))
-    error = outcome["error"]
-    if outcome["out_of_memory"]:
-        error += f": the limit is {memory_mb} MB beyond the torch import (raise it with --memory-mb)"
-    return FileReport(path, [Check(**fields) for fields in outcome["checks"]], error, outcome["traceback"])
+    return _report(path, outcome, memory_mb, str(copy))
+
+
+def _report(path: Path, outcome: Any, memory_mb: int, copy: str) -> FileReport:
+    """The child's outcome as a report, every verdict computed here from the numbers it sent (`judge`)."""
+    try:
+        checks = [judge(Check(**{**fields, "evidence": Evidence.from_record(fields["evidence"])
+                                 if fields["evidence"] else None})) for fields in outcome["checks"]]
+        error, traceback_text = outcome["error"], str(outcome["traceback"]).replace(copy, str(path))
+    except (KeyError, TypeError, ValueError, RuntimeError):  # written by something else than the child's code
+        return FileReport(path, [], f"{path}: the check process's report is malformed: the learner's code "
+                          "changed the checks or wrote their report")
+    if error and outcome["out_of_memory"]:
+        error = f"{error}: the limit is {memory_mb} MB beyond the torch import (raise it with --memory-mb)"
+    if error is None and not checks:
+        error = f"{path}: the check process reported no checks: the learner's code changed the checks"
+    return FileReport(path, checks, error and str(error), traceback_text)
+
+
+def _private_copy(path: Path, folder: Path) -> Path:
+    """`path` and the other .py files beside it (its helper modules) copied into `folder`: the learner's code
+    runs there, so a file that deletes or rewrites what is around it touches only its own copies."""
+    folder.mkdir()
+    for sibling in path.resolve().parent.glob("*.py"):
+        if sibling.is_file():
+            shutil.copy2(sibling, folder / sibling.name)
+    shutil.copy2(path, folder / path.name)  # the file itself, even where the glob missed it (a symlink)
+    return folder / path.name
+
+
+def _run_child(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[int, bool, str]:
+    """Run the child on `request` in `cwd`: its exit status, whether it ran past `timeout_s`, its last output.
+
+    Whatever way it ends (a normal finish, the time limit, an exception here), its whole process group is
+    killed before it is reaped, so nothing the learner's code started outlives the check."""
+    child = subprocess.Popen(
+        [sys.executable, "-m", "gptlab.handout.learner.isolate", json.dumps(request)], cwd=cwd,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"},
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    tail, timed_out = _keep_tail(child.stdout), False
+    try:
+        timed_out = not _exited(child, timeout_s)
+    finally:
+        _kill_group(child)
+        child.wait()
+    return child.returncode, timed_out, tail()
+
+
+def _exited(child: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for `child` to exit, leaving it unreaped (a zombie) where the platform allows,
+    so that its process id, which is its group's id, cannot be reused before the group is killed."""
+    if not hasattr(os, "waitid"):  # Windows: no zombies to keep, no groups to kill
+        try:
+            child.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout_s
+    while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    """SIGKILL the child's process group: the child, if still running, and every process it started
+    that stayed in the group (a process that made itself a new session escapes: not a sandbox)."""
+    if not hasattr(os, "killpg"):
+        child.kill()
+        return
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already
+        pass
 
 
 def import_and_grade(path: Path, names: Names, shown: str,
@@ -114,8 +174,8 @@ def import_and_grade(path: Path, names: Names, shown: str,
         lift()
         return _check_failure(err, path, shown) if imported else _import_failure(err, path, shown)
     lift()
-    return {"checks": [dataclasses.asdict(check) for check in checks], "error": None, "traceback": "",
-            "out_of_memory": False}
+    return {"checks": [{**check.record(), "evidence": check.evidence and check.evidence.record()}
+                       for check in checks], "error": None, "traceback": "", "out_of_memory": False}
 
 
 def _learner_traceback(err: BaseException, path: Path) -> str:

@@ -27,7 +27,9 @@ from gptlab.handout.learner.parts import diagnose_inside
 from gptlab.handout.properties import (
     Check,
     close,
+    exceeds,
     explain,
+    gradient_rows,
     ignores_later_inputs,
     replacement_dependence,
     skipped,
@@ -80,14 +82,14 @@ def _token_embedding(lm: LanguageModel, idx: torch.Tensor) -> nn.Embedding | Non
 
 
 def _jacobian_rows(outputs: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """(T, T): entry (i, j) is max |d sum(outputs[0, i]) / d inputs[0, j]| over the features of row j."""
+    """(T, T, D): entry (i, j) is d sum(outputs[0, i]) / d inputs[0, j], the gradient row of input j."""
     rows = [torch.autograd.grad(outputs[0, i].sum(), inputs, retain_graph=True, allow_unused=True)[0]
             for i in range(outputs.size(1))]
-    return torch.stack([torch.zeros_like(inputs[0]) if r is None else r[0] for r in rows]).abs().amax(-1)
+    return torch.stack([torch.zeros_like(inputs[0]) if r is None else r[0] for r in rows])
 
 
 def gradient_dependence(lm: LanguageModel, idx: torch.Tensor) -> torch.Tensor | None:
-    """§7.3 by gradients: (T, T) dependence of each position's logits on each token's embedding row."""
+    """§7.3 by gradients: (T, T, D) gradients of each position's logits by each token's embedding row."""
     embedding = _token_embedding(lm, idx)
     if embedding is None:
         return None
@@ -107,7 +109,7 @@ def gradient_dependence(lm: LanguageModel, idx: torch.Tensor) -> torch.Tensor | 
 
 
 def block_dependence(lm: LanguageModel, blocks: list[nn.Module], idx: torch.Tensor) -> list[torch.Tensor]:
-    """(T, T) for each block in place: how much its output row i moves with its own input row j."""
+    """(T, T, D) for each block in place: the gradients of its output row i by its own input row j."""
     pairs: list[list[torch.Tensor]] = [[] for _ in blocks]
 
     def take_input(b: int) -> Any:
@@ -132,7 +134,7 @@ def block_dependence(lm: LanguageModel, blocks: list[nn.Module], idx: torch.Tens
     try:
         with torch.enable_grad():
             lm.logits(idx)
-            return [_jacobian_rows(pair[1], pair[0]) if len(pair) == 2 else torch.zeros(T, T)
+            return [_jacobian_rows(pair[1], pair[0]) if len(pair) == 2 else torch.zeros(T, T, 1)
                     for pair in pairs]
     finally:
         for hook in hooks:
@@ -170,7 +172,7 @@ def loss_check(lm: LanguageModel, tokens: torch.Tensor) -> Check:
         own = lm.loss(idx, idx)
     inside = scored["the model shifts the targets itself"]
     if own is not None and abs(float(own) - float(inside)) <= 1e-4:  # it shifted the targets inside
-        return Check("§7.3", name, True, "cross-entropy of logits[i] against idx[i + 1]", f"{float(own):.6f}",
+        return close("§7.3", name, own.float(), inside, 1e-4, "cross-entropy of logits[i] against idx[i + 1]",
                      note="the model shifts the targets itself: pass targets = idx")
     check = close("§7.3", name, loss, scored["targets are the next tokens"], 1e-4,
                   "cross-entropy of logits[:, i] against targets[:, i] = idx[:, i + 1]")
@@ -195,12 +197,11 @@ def positions_check(lm: LanguageModel, blocks: list[nn.Module], idx: torch.Tenso
         hook.remove()
     differ = float((rows[0][0, 4] - rows[0][0, 0]).abs().max()) if rows else 0.0
     if differ > 1e-6:
-        return Check("§6.1", name, True, "the same token at two positions starts with different rows",
-                     f"max |row 4 - row 0| = {differ:.3e}", differ,
-                     note="positions are added to the input rows")
-    return Check("§6.1", name, True, "the same token at two positions starts with different rows",
-                 "identical rows", differ, note="a choice: no positions are added, so apart from the causal "
-                 "mask (and RoPE, if used inside attention) the model is order-blind (§6.1)")
+        return exceeds("§6.1", name, differ, 1e-6, "max |row 4 - row 0|, the same token at two positions",
+                       note="positions are added to the input rows")
+    return skipped("§6.1", name, f"identical rows (max |row 4 - row 0| = {differ:.1e}): a choice, no "
+                   "positions are added, so apart from the causal mask (and RoPE, if used inside attention) "
+                   "the model is order-blind (§6.1)")
 
 
 def model_checks(model: nn.Module, label: str, block_class: type | None) -> list[Check]:
@@ -217,17 +218,18 @@ def model_checks(model: nn.Module, label: str, block_class: type | None) -> list
         replaced = replacement_dependence(lm.logits, idx, generator, 0, V)
     gradient = gradient_dependence(lm, idx)
     per_block = block_dependence(lm, blocks, idx) if blocks else []
-    leaky = [b for b, d in enumerate(per_block) if float(d.triu(1).max()) > 0]
+    leaky = [b for b, rows in enumerate(per_block) if float(rows.abs().amax(-1).triu(1).max()) > 0]
     results = [
         close("§7.1", "appending a token leaves earlier logits unchanged", after, before, 1e-5,
               "logits before appending"),
         ignores_later_inputs(replaced, "output i ignores tokens after i (replacing them)"),
         skipped("§7.3", "output i ignores inputs after i (gradients)", "no nn.Embedding is fed the ids")
-        if gradient is None else ignores_later_inputs(gradient, "output i ignores inputs after i (gradients)",
-                                                      "grad"),
+        if gradient is None else ignores_later_inputs(gradient_rows(gradient),
+                                                      "output i ignores inputs after i (gradients)", "grad"),
     ]
     if blocks:
-        worst = torch.stack(per_block).amax(0) if per_block else torch.zeros(T, T)
+        widest = max(rows.size(-1) for rows in per_block)  # a block never reached has one zero feature
+        worst = gradient_rows(torch.stack([F.pad(rows, (0, widest - rows.size(-1))) for rows in per_block]))
         results.append(ignores_later_inputs(worst, f"every block's output i ignores its rows after i "
                                                    f"({len(blocks)} blocks)", "grad",
                                             note=f"leaking blocks: {leaky or 'none'}"))

@@ -21,7 +21,7 @@ from gptlab.handout.learner.build import build, sizes
 from gptlab.handout.learner.calling import LearnerError, run, shapes
 from gptlab.handout.learner.mistakes import AVERAGED, UNKNOWN, diagnose_heads, heads_cause, heads_reference
 from gptlab.handout.learner.projections import Wiring, find_wiring
-from gptlab.handout.properties import Check, close, explain, permutation_equivariant, skipped
+from gptlab.handout.properties import Check, at_most, close, explain, permutation_equivariant, skipped
 from gptlab.handout.worked import (
     TWO_HEADS,
     batch_items_apart,
@@ -257,14 +257,16 @@ def arrangement(forward: Rows, x: torch.Tensor) -> Check:
     big = 1e3 * x
     out = forward(big)
     moved = float((out - big).norm() / big.norm())
-    normalised = float((out.pow(2).mean(-1) - 1).abs().max()) < 0.05
+    spread = float((out.pow(2).mean(-1) - 1).abs().max())  # how far the rows are from normalised
+    normalised = spread < 0.05
     kind = "pre-norm" if moved < 0.01 else "post-norm" if normalised else "neither"
-    return Check("§5", "pre-norm or post-norm arrangement", kind != "neither",
-                 "pre-norm x + g(LN(x)) or post-norm LN(x + g(x))",
-                 f"{kind} (|block(s x) - s x| / |s x| = {moved:.1e} at s = 1000)",
-                 cause="" if kind != "neither" else "the block has no norm on the residual path as §5 draws "
-                 "it: pre-norm x = x + attn(ln1(x)); x = x + mlp(ln2(x)), or post-norm "
-                 "x = ln1(x + attn(x)); ...")
+    measured = moved / 0.01 if kind == "pre-norm" else spread / 0.05  # below 1 for either arrangement
+    return at_most("§5", "pre-norm or post-norm arrangement", measured, 1.0,
+                   "pre-norm x + g(LN(x)) or post-norm LN(x + g(x))",
+                   f"{kind} (|block(s x) - s x| / |s x| = {moved:.1e} at s = 1000)",
+                   cause="" if kind != "neither" else "the block has no norm on the residual path as §5 "
+                   "draws it: pre-norm x = x + attn(ln1(x)); x = x + mlp(ln2(x)), or post-norm "
+                   "x = ln1(x + attn(x)); ...")
 
 
 def block_checks(cls: type, label: str, namespace: dict[str, Any]) -> list[Check]:
