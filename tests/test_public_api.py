@@ -14,7 +14,7 @@ import pytest
 import gptlab
 
 # gptlab.__all__: what `from gptlab import ...` promises.
-PACKAGE = ["EncoderDecoder", "GPT", "ModelConfig", "Seq2SeqConfig", "parameter_count"]
+PACKAGE = ["EncoderDecoder", "GPT", "ModelConfig", "Seq2SeqConfig", "check", "parameter_count"]
 
 # Documented module paths and their main names, each importable without a warning.
 MODULES = {

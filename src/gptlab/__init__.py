@@ -11,14 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gptlab.config import ModelConfig, Seq2SeqConfig, parameter_count
+    from gptlab.handout.learner.notebook import check
     from gptlab.model import GPT
     from gptlab.seq2seq.model import EncoderDecoder
 
-__all__ = ["GPT", "EncoderDecoder", "ModelConfig", "Seq2SeqConfig", "parameter_count"]
+__all__ = ["GPT", "EncoderDecoder", "ModelConfig", "Seq2SeqConfig", "check", "parameter_count"]
 __version__ = "0.1.0"
 # Each public name and the module that defines it.
 _HOMES = {"GPT": "gptlab.model", "parameter_count": "gptlab.config", "EncoderDecoder": "gptlab.seq2seq.model",
-          "ModelConfig": "gptlab.config", "Seq2SeqConfig": "gptlab.config"}
+          "ModelConfig": "gptlab.config", "Seq2SeqConfig": "gptlab.config",
+          "check": "gptlab.handout.learner.notebook"}  # gptlab.check(attention=..., model=...) in a notebook
 
 
 def __getattr__(name: str) -> Any:

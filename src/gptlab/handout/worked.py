@@ -25,6 +25,7 @@ from gptlab.handout.properties import (
     differs,
     exceeds,
     identical,
+    max_diff,
     rows_sum_to_one,
 )
 
@@ -185,6 +186,20 @@ def two_heads(y: torch.Tensor, label: str) -> list[Check]:
 # §5: LayerNorm works within a token
 
 
+def _variance(y: torch.Tensor, width: int) -> Check:
+    """Each token's variance over its features is 1, or (D - 1) / D when the norm divided by the unbiased
+    variance: the handout says "across features" and fixes no estimator, so both pass (the second noted)."""
+    variance = y.var(-1, correction=0)  # (B, T)
+    unbiased = torch.full_like(variance, (width - 1) / width)
+    if max_diff(variance, unbiased) < max_diff(variance, torch.ones_like(variance)):
+        return close("§5", "LayerNorm: per-token variance over features", variance, unbiased, 1e-4,
+                     f"(D - 1) / D = {(width - 1) / width:.4f} for every token",
+                     note="the unbiased variance x.var(unbiased=True): fine, §5 fixes no estimator (torch's "
+                     "nn.LayerNorm uses the biased one)")
+    return close("§5", "LayerNorm: per-token variance over features", variance, torch.ones_like(variance),
+                 1e-4, "1 for every token")
+
+
 def layer_norm(norm: Callable[[torch.Tensor], torch.Tensor], width: int = 8) -> list[Check]:
     """LayerNorm gives each token mean 0 and variance 1 over its features, and reads no other token.
 
@@ -202,8 +217,7 @@ def layer_norm(norm: Callable[[torch.Tensor], torch.Tensor], width: int = 8) -> 
     return [
         close(s, "LayerNorm: per-token mean over features", y.mean(-1), torch.zeros(2, 5), 1e-4,
               "0 for every token"),
-        close(s, "LayerNorm: per-token variance over features", y.var(-1, correction=0),
-              torch.ones(2, 5), 1e-4, "1 for every token"),
+        _variance(y, width),
         exceeds(s, "LayerNorm: means over positions are not zero", y.mean(1).abs().max().item(), 0.1,
                 "max |mean over T|"),
         exceeds(s, "LayerNorm: means over batch items are not zero", y.mean(0).abs().max().item(), 0.1,

@@ -35,6 +35,10 @@ CONFIG_NAMES = {"config", "cfg", "conf", "args", "params", "hparams", "settings"
 CONFIG_SUFFIXES = ("Config", "Args", "Params", "Hparams", "Settings")
 
 
+class BuildError(LearnerError):
+    """The class could not be built at the check's sizes: a check that needs it is skipped, not failed."""
+
+
 def sizes(width: int, heads: int, vocab: int = 11, block: int = 16, layers: int = 2) -> dict[str, Any]:
     """Every size a constructor may ask for, from the model width and head count; no dropout."""
     return {"width": width, "heads": heads, "head_size": width // heads, "block": block, "vocab": vocab,
@@ -47,7 +51,7 @@ def role(name: str) -> str | None:
 
 
 def build(cls: type, label: str, size: dict[str, Any], namespace: dict[str, Any]) -> nn.Module:
-    """An instance of the learner's class `cls` at these sizes, in eval mode, or a LearnerError saying why."""
+    """An instance of the learner's class `cls` at these sizes, in eval mode, or a BuildError saying why."""
     problems = []
     for attempt in (_by_names, _positional, _no_arguments):
         try:
@@ -63,8 +67,7 @@ def build(cls: type, label: str, size: dict[str, Any], namespace: dict[str, Any]
         if isinstance(made, nn.Module):
             return made.eval()
         problems.append(f"{label}({_show(args, kwargs)}) is a {type(made).__name__}, not an nn.Module")
-    raise LearnerError(f"cannot build {label} at D={size['width']}, H={size['heads']}: "
-                       + "; ".join(problems))
+    raise BuildError(f"cannot build {label} at D={size['width']}, H={size['heads']}: " + "; ".join(problems))
 
 
 def _show(args: tuple, kwargs: dict[str, Any]) -> str:

@@ -66,6 +66,14 @@ FLAG = "causal flag"  # attention(q, k, v, causal=True): the square causal mask 
 ABSENT = object()  # no mask: passed as None (False for a causal flag) if the function takes one
 
 
+def visible_masks(n_queries: int, n_keys: int) -> list[Any]:
+    """A required mask that hides nothing, in each convention a learner may use, to be tried in turn: none,
+    an all-True keep, an all-False hide, and ones (1 = may attend, or one shift added to every score)."""
+    shape = (n_queries, n_keys)
+    return [None, torch.ones(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool),
+            torch.ones(shape)]
+
+
 def mask_parameter(fn: Callable[..., Any]) -> inspect.Parameter | None:
     """fn's mask argument after (q, k, v): one named *mask* or a causal flag, else a fourth positional one."""
     try:
@@ -93,6 +101,8 @@ class AttentionFunction:
         param = mask_parameter(fn)
         self.mask_param = None if param is None else param.name
         self.flag = param is not None and param.name.lower() in FLAG_NAMES
+        self.required = param is not None and param.default is param.empty and not self.flag
+        self.visible: int | None = None  # which of visible_masks a required mask takes, once found
         self.convention: str | None = None  # set by the mask checks, once found
         q, k, v = probe((2,), 3, 4, seed=0)
         self.batched = self.works(q, k, v)
@@ -113,6 +123,8 @@ class AttentionFunction:
     def direct(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: Any = ABSENT) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One call as written: y (..., Tq, dv) and, if it returns them, the weights (..., Tq, Tk)."""
+        if mask is ABSENT and self.required:
+            return self._unmasked(q, k, v)
         if mask is ABSENT:  # said explicitly, since a default might mask
             mask = False if self.flag else None
         kwargs = {} if self.mask_param is None else {self.mask_param: mask}
@@ -129,6 +141,23 @@ class AttentionFunction:
                                "or (y, weights)")
         weights = next((t for t in found if t is not ys[0] and tuple(t.shape) == w_shape), None)
         return ys[0].float(), None if weights is None else weights.float()
+
+    def _unmasked(self, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A call with a required mask hiding nothing: the first of `visible_masks` with finite outputs."""
+        masks = visible_masks(q.size(-2), k.size(-2))
+        if self.visible is not None:
+            return self.direct(q, k, v, masks[self.visible])
+        for i, mask in enumerate(masks[:-1]):
+            try:
+                y, weights = self.direct(q, k, v, mask)
+            except LearnerError:
+                continue
+            if bool(y.isfinite().all()):
+                self.visible = i
+                return y, weights
+        self.visible = len(masks) - 1
+        return self.direct(q, k, v, masks[-1])
 
     def encode(self, keep: torch.Tensor) -> Any:
         """The mask argument that hides keys where keep (Tq, Tk) is False, in the learner's convention."""

@@ -26,6 +26,8 @@ in the cause), so the other kinds are still graded.
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptlab.handout.learner.build import build, find_class, sizes
+from gptlab.handout.learner.build import BuildError, build, find_class, sizes
 from gptlab.handout.learner.calling import CONVENTIONS, FLAG, AttentionFunction, LearnerError, describe, probe
 from gptlab.handout.learner.lm import find_blocks, model_checks
 from gptlab.handout.learner.mistakes import (
@@ -109,16 +111,19 @@ def _grade(namespace: dict[str, Any], names: Names) -> list[Check]:
     heads_class, block_class = find_class(namespace, names.heads), find_class(namespace, names.block)
     inside = [m for m in (model, _built(block_class, namespace)) if m is not None]
     block_class = block_class or _found_block(inside, namespace)
-    heads_class = heads_class or _found_heads(inside, namespace)
-    for section, kind, flag, cls, checks in (("§4", "multi-head module", "heads", heads_class, heads_checks),
-                                             ("§5", "block", "block", block_class, block_checks)):
+    heads = _found_heads(inside, namespace, heads_class)
+    heads_class = heads_class or (type(heads) if heads is not None else None)
+    blocks = find_blocks(model, block_class) if model is not None and block_class is not None else []
+    parts = (("§4", "multi-head module", "heads", heads_class, heads_checks, heads),
+             ("§5", "block", "block", block_class, block_checks, blocks[0] if blocks else None))
+    for section, kind, flag, cls, checks, instance in parts:
         if cls is None:
             why = (f"the file defines no class {getattr(names, flag)} and none was found inside a model: "
                    f"name yours with --{flag} NAME")
             results.append(skipped(section, kind, why))
         else:
             results += _guarded(section, cls.__name__, namespace,
-                                functools.partial(checks, cls, cls.__name__, namespace))
+                                functools.partial(checks, cls, cls.__name__, namespace, instance))
     if crash is not None:
         results.append(crash)
     elif model is None:
@@ -148,6 +153,10 @@ def _guarded(section: str, label: str, namespace: dict[str, Any],
     """`checks()`, or one failed line naming the definition if the learner's code crashes on the way."""
     try:
         return checks()
+    except BuildError as error:  # nothing of the learner's ran wrong: the tool could not build the class
+        return [skipped(section, f"{label} builds", f"{error}; no instance of it was found inside a model "
+                        "either: give the model with --model \"GPT(GPTConfig(...))\" to check the one it "
+                        "holds")]
     except LearnerError as error:
         return [Check(section, f"{label} runs", False, "runs on the handout's inputs", "crashed",
                       cause=str(error) + _where(error, namespace))]
@@ -168,9 +177,9 @@ def _model(namespace: dict[str, Any], names: Names) -> tuple[nn.Module | None, s
         if cls is not None:
             try:
                 return build(cls, name, sizes(16, 2), namespace), name, None
-            except LearnerError as error:
-                return None, name, Check("§7.1", f"{name} runs", False, "builds at V=11, D=16, H=2, L=2",
-                                         "crashed", cause=str(error))
+            except BuildError as error:
+                return None, name, skipped("§7.1", f"{name} builds", f"{error}: give the model with --model "
+                                           f"\"{name}(...)\", sizes V=11, T_max=16, L=2, H=2, D=16")
     return None, "", None
 
 
@@ -197,18 +206,24 @@ def _found_block(inside: list[nn.Module], namespace: dict[str, Any]) -> type | N
     return None
 
 
-def _found_heads(inside: list[nn.Module], namespace: dict[str, Any]) -> type | None:
-    """The class of the smallest module inside with readable W_Q, W_K, W_V (a block holds them too),
-    if the learner wrote it."""
+def _found_heads(inside: list[nn.Module], namespace: dict[str, Any], cls: type | None) -> nn.Module | None:
+    """The learner's multi-head module inside: an instance of `cls` if given, else the smallest module
+    of the learner's with readable W_Q, W_K, W_V of its own (a block holding torch's
+    nn.MultiheadAttention is a block, not a multi-head module)."""
     found = []
     for module in inside:
         width = next((e.embedding_dim for e in module.modules() if isinstance(e, nn.Embedding)), None)
         for m in module.modules():
+            if cls is not None:
+                if isinstance(m, cls):
+                    found.append(m)
+                continue
             linear = next((x for x in m.modules() if isinstance(x, nn.Linear)), None)
-            if linear is not None and _own(type(m), namespace) and isinstance(
+            if linear is not None and _own(type(m), namespace) and not any(
+                    isinstance(x, nn.MultiheadAttention) for x in m.modules()) and isinstance(
                     find_wiring(m, width or linear.in_features, 1), Wiring):
                 found.append(m)
-    return type(min(found, key=lambda m: sum(p.numel() for p in m.parameters()))) if found else None
+    return min(found, key=lambda m: sum(p.numel() for p in m.parameters())) if found else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,9 +274,21 @@ def _rank_check(att: AttentionFunction, shape: tuple[int, ...], slip: str | None
     one_at_a_time = att.works(*(t.reshape(-1, *t.shape[-2:])[0] for t in (q, k, v)))  # a single (T, d)
     if "einsum" in error.lower():
         return explain(check, EINSUM)
+    if one_at_a_time and not att.batched and check.passed is False and not _transposes_all_axes(att.fn):
+        return skipped("§3.2", name, f"{att.label} is written for one (T, d) matrix at a time (batches are "
+                       "checked by calling it on each matrix): fine for the handout's equations")
     if one_at_a_time and slip is not None:
         return explain(check, RANK)
     return explain(check, SLIPS.get(slip or "", "") or UNKNOWN)
+
+
+def _transposes_all_axes(fn: Callable[..., Any]) -> bool:
+    """Whether fn's source uses `.T`, which reverses every axis (the transpose of a matrix only at rank 2)."""
+    try:
+        source = inspect.getsource(fn)
+    except (OSError, TypeError):  # no source to read: assume the classic slip, as before
+        return True
+    return re.search(r"\.T\b", source) is not None
 
 
 def _mask_checks(att: AttentionFunction, slip: str) -> list[Check]:

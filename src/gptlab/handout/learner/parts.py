@@ -11,16 +11,17 @@ Shape legend: B batch, T positions, D model width, H heads.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from gptlab.handout.learner.build import build, sizes
-from gptlab.handout.learner.calling import LearnerError, run, shapes
+from gptlab.handout.learner.build import BuildError, build, sizes
+from gptlab.handout.learner.calling import LearnerError, run, shapes, visible_masks
 from gptlab.handout.learner.mistakes import AVERAGED, UNKNOWN, diagnose_heads, heads_cause, heads_reference
-from gptlab.handout.learner.projections import Wiring, find_wiring
+from gptlab.handout.learner.projections import Wiring, find_wiring, layouts
 from gptlab.handout.properties import Check, at_most, close, explain, permutation_equivariant, skipped
 from gptlab.handout.worked import (
     TWO_HEADS,
@@ -43,14 +44,52 @@ ORDER = ("the output does not follow a permutation of the rows: something uses t
          "(a position table or a fixed mask inside the part)")
 
 
+def _rows_in(out: Any) -> torch.Tensor | None:
+    """The output rows of a forward: the tensor it returned, or the first tensor of a tuple it returned."""
+    return out if isinstance(out, torch.Tensor) else next(
+        (t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)), None)
+
+
+def _required_mask(module: nn.Module) -> bool:
+    """Whether the module's forward needs a second argument (a mask without a default)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(p.default is p.empty and p.kind in positional for p in params)
+
+
 def rows_of(module: nn.Module, label: str, width: int) -> Rows:
-    """module(x) as a function of rows (B, T, D), reading the output rows out of a tuple if it returns one."""
+    """module(x) as a function of rows (B, T, D), reading the output rows out of a tuple if it returns one.
+
+    A forward that requires a mask gets one that hides nothing: the first of `visible_masks` it runs with and
+    gives finite rows for (the checks here are of unmasked parts; the model's own mask is checked whole)."""
+    chosen: list[int] = []
+
+    def call(x: torch.Tensor) -> Any:
+        shown = f"{label}(x {tuple(x.shape)})"
+        if not _required_mask(module):
+            return run(shown, module, x)
+        masks = visible_masks(x.size(1), x.size(1))
+        if chosen:
+            return run(f"{shown}, mask", module, x, masks[chosen[0]])
+        for i, mask in enumerate(masks[:-1]):
+            try:
+                out = run(f"{shown}, mask", module, x, mask)
+            except LearnerError:
+                continue
+            rows = _rows_in(out)
+            if rows is not None and bool(rows.isfinite().all()):
+                chosen.append(i)
+                return out
+        chosen.append(len(masks) - 1)
+        return run(f"{shown}, mask", module, x, masks[-1])
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            out = run(f"{label}(x {tuple(x.shape)})", module, x)
-        found = out if isinstance(out, torch.Tensor) else next(
-            (t for t in (out if isinstance(out, (tuple, list)) else ()) if isinstance(t, torch.Tensor)), None)
+            out = call(x)
+        found = _rows_in(out)
         if found is None or found.shape != x.shape:
             raise LearnerError(f"{label}(x) returned {shapes(out)} for x of shape {tuple(x.shape)}: "
                                f"expected rows of the same shape (B, T, D)")
@@ -78,6 +117,17 @@ def build_at(cls: type, label: str, width: int, heads: int,
     if actual != width and actual % heads == 0:
         part = build(cls, label, sizes(actual, heads), namespace)
     return part, actual
+
+
+def part_at(cls: type, label: str, width: int, heads: int, namespace: dict[str, Any],
+            instance: nn.Module | None) -> tuple[nn.Module, int]:
+    """`build_at`, or, where the class cannot be built, the instance found inside the learner's model."""
+    try:
+        return build_at(cls, label, width, heads, namespace)
+    except BuildError:
+        if instance is None:
+            raise
+        return instance.eval(), input_width(instance, width)
 
 
 def later_dependence(forward: Rows, x: torch.Tensor) -> torch.Tensor:
@@ -179,7 +229,8 @@ def written_out(forward: Rows, wiring: Wiring | str, x: torch.Tensor) -> Check:
     name = "module equals its projections written out per head"
     if isinstance(wiring, str):
         return skipped("§4.2", name, f"cannot read W_Q, W_K, W_V and W_O: {wiring}")
-    weights, measured = wiring.read(), forward(x)
+    measured = forward(x)
+    weights = wiring.read()
     found = diagnose_heads(measured, x, weights, wiring.n_head)
     correct = found is not None and found[1:] == ("none", "none")
     causal = found[0] if found is not None and correct else False
@@ -192,11 +243,14 @@ def written_out(forward: Rows, wiring: Wiring | str, x: torch.Tensor) -> Check:
 def _two_heads_checks(cls: type, label: str, namespace: dict[str, Any], cause: str) -> list[Check]:
     """§4.1 with the handout's weights set into a fresh D=4, H=2 module."""
     D, H = TWO_HEADS
-    module, width = build_at(cls, label, D, H, namespace)
+    try:
+        module, width = build_at(cls, label, D, H, namespace)
+    except BuildError as error:
+        return [skipped("§4.1", "output at position 2", f"needs a fresh module at D={D}, H={H}: {error}")]
     if width != D:
         return [skipped("§4.1", "output at position 2", f"{label} reads width D={width} from the file, not "
                         f"the D={D} it was built with, so §4.1's 4 x 4 weights do not fit")]
-    wiring = find_wiring(module, D, H)
+    wiring = read_as(module, rows_of(module, label, D), _rows(D, seed=41)[0], D, H)
     if isinstance(wiring, str):
         return [skipped("§4.1", "output at position 2", f"needs W_Q, W_K, W_V and W_O set: {wiring}")]
     if wiring.n_head != H:
@@ -209,12 +263,25 @@ def _two_heads_checks(cls: type, label: str, namespace: dict[str, Any], cause: s
     return [explain(c, AVERAGED if averaged else cause) for c in two_heads(y, "")]
 
 
-def heads_checks(cls: type, label: str, namespace: dict[str, Any]) -> list[Check]:
-    """§3.2, §4, §4.1, §4.2 and §6.1 for a multi-head module class."""
-    module, D = build_at(cls, label, 8, 2, namespace)
-    wiring = find_wiring(module, D, 2)
+def read_as(module: nn.Module, forward: Rows, x: torch.Tensor, width: int, n_head: int) -> Wiring | str:
+    """The module's wiring in the layout its own output agrees with (the first when none does)."""
+    found = find_wiring(module, width, n_head)
+    candidates = layouts(found)
+    with torch.no_grad():
+        for wiring in candidates[1:]:
+            diagnosis = diagnose_heads(forward(x), x, wiring.read(), wiring.n_head)
+            if diagnosis is not None and diagnosis[1:] == ("none", "none"):
+                return wiring
+    return found
+
+
+def heads_checks(cls: type, label: str, namespace: dict[str, Any],
+                 instance: nn.Module | None = None) -> list[Check]:
+    """§3.2, §4, §4.1, §4.2 and §6.1 for a multi-head module class (or its instance in the model)."""
+    module, D = part_at(cls, label, 8, 2, namespace, instance)
     forward = rows_of(module, label, D)
     x, changed = _rows(D, seed=40)
+    wiring = read_as(module, forward, x, D, 2)
     mha_layout = isinstance(wiring, Wiring) and not wiring.batch_first
     results = [explain(head_parameters(module, D, 2), _parameter_cause(module, D, 2)),
                explain(batch_items_apart(forward, x, changed, label), MHA_LAYOUT if mha_layout else BATCH)]
@@ -269,9 +336,10 @@ def arrangement(forward: Rows, x: torch.Tensor) -> Check:
                    "x = ln1(x + attn(x)); ...")
 
 
-def block_checks(cls: type, label: str, namespace: dict[str, Any]) -> list[Check]:
-    """§3.2, §5 and §6.1 for a block class."""
-    block, D = build_at(cls, label, 16, 2, namespace)
+def block_checks(cls: type, label: str, namespace: dict[str, Any],
+                 instance: nn.Module | None = None) -> list[Check]:
+    """§3.2, §5 and §6.1 for a block class (or its instance in the model)."""
+    block, D = part_at(cls, label, 16, 2, namespace, instance)
     forward = rows_of(block, label, D)
     x, changed = _rows(D, seed=50)
     results = [explain(batch_items_apart(forward, x, changed, label), BATCH)]

@@ -1,10 +1,11 @@
 """Reading and setting a learner's W_Q, W_K, W_V and W_O, however the multi-head module stores them.
 
 Four layouts are recognised (§4, §4.2, §9.1, §9.3): one fused nn.Linear(D, 3D) holding [W_Q; W_K; W_V]
-(nanoGPT's c_attn); a ModuleList of heads, each with its own query, key and value nn.Linear(D, D/H);
-three separate nn.Linear(D, D) named after q, k and v; and torch.nn.MultiheadAttention. W_O is the one
-remaining nn.Linear into D (absent means the identity). Each matrix is seen as (D, D) in nn.Linear's
-(out, in) layout, head h on output rows h * hs .. (h + 1) * hs - 1, whichever pieces hold it.
+(nanoGPT's c_attn) or, per head interleaved, [q_1; k_1; v_1; q_2; ...] (`layouts` offers both); a
+ModuleList of heads, each with its own query, key and value nn.Linear(D, D/H); three separate
+nn.Linear(D, D) named after q, k and v; and torch.nn.MultiheadAttention. W_O is the one remaining
+nn.Linear into D (absent means the identity). Each matrix is seen as (D, D) in nn.Linear's (out, in)
+layout, head h on output rows h * hs .. (h + 1) * hs - 1, whichever pieces hold it.
 """
 
 from __future__ import annotations
@@ -117,3 +118,19 @@ def find_wiring(module: nn.Module, width: int, n_head: int) -> Wiring | str:
         return f"it has {len(outs)} nn.Linears into D={width}, so I cannot tell which one is W_O"
     n_head = _head_count(module, n_head) if "separately" not in layout else n_head
     return Wiring(layout, n_head, pieces, (outs[0].weight, outs[0].bias) if outs else None)
+
+
+def layouts(wiring: Wiring | str) -> list[Wiring]:
+    """The ways a module's wiring may be read: as found, and for one fused D -> 3D projection also per
+    head interleaved (each head's q, k, v rows side by side: a view as (B, T, H, 3, hs))."""
+    if isinstance(wiring, str):
+        return []
+    if not wiring.layout.startswith("one fused projection"):
+        return [wiring]
+    (weight, bias, _), = wiring.pieces["q"]
+    H = wiring.n_head
+    hs = weight.size(0) // (3 * H)
+    pieces = {name: [(weight, bias, slice((3 * h + i) * hs, (3 * h + i + 1) * hs)) for h in range(H)]
+              for i, name in enumerate("qkv")}
+    return [wiring, Wiring(wiring.layout + ", per head interleaved [q_h | k_h | v_h]", H, pieces, wiring.out,
+                           wiring.batch_first)]
