@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.handout.learner.grade import Names, grade
+from gptlab.handout.learner.grade import LearnerError, Names, grade
 from gptlab.handout.properties import Check
 
 TINY_LM = '''
@@ -104,7 +104,8 @@ def attention(q, k, v):
 
 def globals_of(folder: Path, name: str, text: str) -> dict[str, Any]:
     path = folder / f"{name}.py"
-    path.write_text(text, encoding="utf-8")
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.write_text(text, encoding="utf-8")
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -185,3 +186,20 @@ def test_a_required_mask_argument_gets_one_that_hides_nothing(tmp_path: Path) ->
     assert sum(c.passed is True for c in checks) >= 20
     masked = next(c for c in checks if c.name.startswith("masked: output i ignores"))
     assert masked.passed  # the causal mask, in the function's own convention
+
+
+OUTSIDE = Path(__file__).parent / "outside"
+
+
+def test_a_correct_outside_file_never_fails_without_its_flags() -> None:
+    """A learner who passes no flag gets SKIPs or one ERROR naming a flag, never a FAIL (issue 39)."""
+    for path in sorted(OUTSIDE.glob("ok_*.py")):
+        namespace = globals_of(OUTSIDE, path.stem, path.read_text(encoding="utf-8"))
+        if not namespace["FLAGS"]:
+            continue  # graded without flags by test_outside_corpus.py
+        try:
+            checks = grade(namespace, Names())
+        except LearnerError as error:  # the one ERROR line: it names the flag to pass
+            assert "--" in str(error), (path.name, str(error))
+            continue
+        assert not failures(checks), (path.name, failures(checks))

@@ -16,8 +16,8 @@ The done-when of the issue: every correct file gets no FAIL and at least 12 PASS
 file gets at least one FAIL, and a FAIL whose cause names the bug. The verdicts are compared with what
 each file says about itself, never with grade's output.
 
-Cases that fail today are listed in KNOWN_FAILING and run as strict xfails: a fix that makes one pass
-turns it into a failure until its entry is removed here.
+Every case holds today; before the fixes of issue 39, 17 of the 36 did not (6 false alarms on correct
+files, 11 bugs missed or blamed on the wrong cause).
 """
 
 from __future__ import annotations
@@ -38,50 +38,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:The use of `x.T`:UserWarning")
 
 CORPUS = Path(__file__).parent / "outside"
 MIN_PASSES = 12  # a correct file must pass at least this many checks
-
-KNOWN_FAILING: dict[str, str] = {  # file -> what goes wrong today; remove an entry once it passes
-    # correct files: false alarms, or not graded at all
-    "ok_post_norm.py": "issue 39: false alarm §4 'MultiHeadAttention runs': its forward(Q, K, V, "
-                       "mask=None) is called as forward(x, mask), TypeError missing 'V'",
-    "ok_llama_rope.py": "issue 39: false alarms §4 'Attention runs' and §5 'TransformerBlock runs': "
-                        "forward(x, freqs_cis, mask) called as forward(x, mask); only 5 PASS",
-    "ok_loops.py": "issue 39: false alarm §7.1 'GPT runs': the gradient check swaps the embedding output "
-                   "for a leaf, so the file's in-place x[:, t] = x[:, t] + wpe.weight[t] raises",
-    "ok_required_mask_modules.py": "issue 39: false alarm §5 'DecoderLayer runs': forward(x, mask) is given "
-                                   "a mask the file's MultiHeadedAttention cannot broadcast (it unsqueezes "
-                                   "a (1, T, T) mask)",
-    "ok_hf_dict.py": "issue 39: with no flags grade raises LearnerError 'defines none of attention, "
-                     "MultiHeadAttention, Block or a model': MiniLMForCausalLM is not discovered",
-    "ok_single_matrix.py": "issue 39: false alarms §3.2 rank-3 and rank-4 input with the `.T` cause, though "
-                           "attention is written for one (T, d) matrix, where .T is the matrix transpose",
-    # bug files: not caught, or caught with a cause that does not name the bug
-    "bug_scale_width.py": "issue 39: caught at §4.2/§4.1 with 'none of the classic mistakes explains': "
-                          "dividing by D (no square root) is not among the slips",
-    "bug_mask_hides_diagonal.py": "issue 39: caught (the NaN row spreads), but the causes say batch items "
-                                  "mix, no norm on the residual path, positions mix outside the blocks, the "
-                                  "loss; none names the hidden diagonal",
-    "bug_mask_hides_diagonal_triu.py": "issue 39: caught at §6.1/§7.1/§7.3 with the generic leak cause; "
-                                       "nothing names the hidden diagonal",
-    "bug_mask_off_by_one.py": "issue 39: caught at §4.2 ('none of the classic mistakes') and §7.1/§7.3 (the "
-                              "generic leak cause); nothing names query i seeing key i + 1",
-    "bug_mask_inverted.py": "issue 39: caught at §7.1/§7.3 with the generic leak cause (plus §4/§5 'runs' "
-                            "crashes on forward(x, cos, sin, mask)); nothing names the inverted mask",
-    "bug_split_heads_no_transpose.py": "issue 39: caught, but the causes are 'none of the classic mistakes', "
-                                       "'uses the position index' and the generic leak; nothing names the "
-                                       "head split",
-    "bug_merge_heads_no_transpose.py": "issue 39: caught, but the causes are 'none of the classic mistakes', "
-                                       "'uses the position index' and the generic leak; nothing names the "
-                                       "merge without transpose",
-    "bug_pos_by_batch.py": "issue 39: not caught: §6.1 'input rows carry positions' is SKIP (identical rows "
-                           "taken for a choice of no positions); no FAIL",
-    "bug_pos_by_token.py": "issue 39: not caught: §6.1 'input rows carry positions' is SKIP (identical rows "
-                           "taken for a choice of no positions); no FAIL",
-    "bug_no_residual.py": "issue 39: caught at §5 arrangement, but the cause says 'no norm on the residual "
-                          "path', not the missing residual connection",
-    "bug_targets_unshifted.py": "issue 39: caught at §7.3 loss, but the cause is the generic 'not the "
-                                "cross-entropy ... against the next token', not the missing shift",
-}
-
 
 def _load(path: Path) -> dict[str, Any]:
     """Import a corpus file under a name of its own and return its namespace."""
@@ -124,13 +80,6 @@ CORRECT = [f for f in FILES if _namespace(f)["BUG"] is None]
 BUGGY = [f for f in FILES if _namespace(f)["BUG"] is not None]
 
 
-def _cases(files: list[str]) -> list[Any]:
-    """One case per file, a strict xfail where KNOWN_FAILING lists it."""
-    return [pytest.param(f, id=f.removesuffix(".py"),
-                         marks=[pytest.mark.xfail(strict=True, reason=KNOWN_FAILING[f])] if f in KNOWN_FAILING
-                         else []) for f in files]
-
-
 def test_the_corpus_is_what_the_issue_asks_for() -> None:
     counts = len(FILES), len(CORRECT), len(BUGGY)
     assert counts[0] >= 30 and counts[1] >= 12 and counts[2] >= 15, counts
@@ -148,10 +97,9 @@ def test_the_corpus_is_what_the_issue_asks_for() -> None:
         else:
             assert "\nBug:" in doc, f"{f}: a bug file names its bug in its docstring"
             re.compile(namespace["EXPECTED_CAUSE"])
-    assert set(KNOWN_FAILING) <= set(FILES), sorted(set(KNOWN_FAILING) - set(FILES))
 
 
-@pytest.mark.parametrize("name", _cases(CORRECT))
+@pytest.mark.parametrize("name", CORRECT)
 def test_a_correct_file_gets_no_fail_and_enough_passes(name: str) -> None:
     results, crash = _graded(name)
     assert not crash, crash
@@ -162,7 +110,7 @@ def test_a_correct_file_gets_no_fail_and_enough_passes(name: str) -> None:
         _line(c) for c in results if c.passed is None)
 
 
-@pytest.mark.parametrize("name", _cases(BUGGY))
+@pytest.mark.parametrize("name", BUGGY)
 def test_a_bug_fails_with_a_cause_naming_it(name: str) -> None:
     results, crash = _graded(name)
     assert not crash, crash

@@ -90,9 +90,13 @@ def skipped(section: str, name: str, why: str) -> Check:
     return Check(section, name, None, note=why)
 
 
-def explain(check: Check, cause: str) -> Check:
-    """`check` with its most likely cause attached if it failed (a passing or skipped one is unchanged)."""
-    return replace(check, cause=cause) if check.passed is False and not check.cause else check
+def explain(check: Check, cause: str, nan: str = "") -> Check:
+    """`check` with its most likely cause attached if it failed (a passing or skipped one is unchanged);
+    `nan`, if given, instead when the numbers behind the failure hold a NaN (which then explains it)."""
+    if check.passed is not False or check.cause:
+        return check
+    has_nan = check.evidence is not None and any(bool(t.isnan().any()) for t in check.evidence.values)
+    return replace(check, cause=nan if nan and has_nan else cause)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,18 +26,27 @@ in the cause), so the other kinds are still graded.
 from __future__ import annotations
 
 import functools
-import inspect
-import re
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from gptlab.handout.learner.build import BuildError, build, find_class, sizes
-from gptlab.handout.learner.calling import CONVENTIONS, FLAG, AttentionFunction, LearnerError, describe, probe
+from gptlab.handout.learner.calling import (
+    CONVENTIONS,
+    FLAG,
+    AttentionFunction,
+    LanguageModel,
+    LearnerError,
+    describe,
+    probe,
+    run,
+)
+from gptlab.handout.learner.inside import Call, record_calls
+from gptlab.handout.learner.learning import learning_checks
 from gptlab.handout.learner.lm import find_blocks, model_checks
 from gptlab.handout.learner.mistakes import (
     EINSUM,
@@ -49,7 +58,7 @@ from gptlab.handout.learner.mistakes import (
     first_match,
     reference,
 )
-from gptlab.handout.learner.parts import BATCH, block_checks, heads_checks
+from gptlab.handout.learner.parts import BATCH, block_checks, heads_checks, input_width
 from gptlab.handout.learner.projections import Wiring, find_wiring
 from gptlab.handout.properties import Check, changes, close, explain, ignores_later_inputs, skipped
 from gptlab.handout.worked import (
@@ -65,6 +74,7 @@ from gptlab.handout.worked import (
 __all__ = ["LearnerError", "Names", "grade"]
 
 MODEL_CLASSES = ("GPT", "GPTLanguageModel", "LanguageModel", "TransformerLM", "Transformer", "Model")
+ONE_MATRIX = "the function runs on one (T, d) matrix only"  # marks rank checks until the file's use is known
 RETURNED = ("the weights returned are not the ones that mix the values: return the softmax output that "
             "multiplies v")
 
@@ -80,8 +90,11 @@ class Names:
     # "GPT(GPTConfig(vocab_size=11, ...))"; None: the first of MODEL_CLASSES, built from its config
 
 
-def grade(namespace: dict[str, Any], names: Names = Names()) -> list[Check]:
-    """Every handout check that applies to what `namespace` (the learner module's globals) defines."""
+def grade(namespace: dict[str, Any], names: Names = Names(), discover: bool = True,
+          learning: bool = True) -> list[Check]:
+    """Every handout check that applies to what `namespace` (the learner module's globals) defines; with
+    `discover`, a model class under a name of its own is found by behaviour (`_discovered_model`); with
+    `learning`, the model's learning checks (learner/learning.py: a second or two) run too."""
     for field in fields(Names):
         value = getattr(names, field.name)
         if field.name != "model" and value != field.default and value not in namespace:
@@ -92,13 +105,13 @@ def grade(namespace: dict[str, Any], names: Names = Names()) -> list[Check]:
         torch.set_default_dtype(torch.float32)
         torch.set_num_threads(1)  # tiny tensors, one op after another: a second thread only adds hand-over
         try:
-            return _grade(namespace, names)
+            return _grade(namespace, names, discover, learning)
         finally:
             torch.set_default_dtype(dtype)
             torch.set_num_threads(threads)
 
 
-def _grade(namespace: dict[str, Any], names: Names) -> list[Check]:
+def _grade(namespace: dict[str, Any], names: Names, discover: bool, learning: bool) -> list[Check]:
     """The checks of each kind the file defines, in handout order; a crash fails that kind only."""
     results: list[Check] = []
     fn = namespace.get(names.attention)
@@ -107,13 +120,16 @@ def _grade(namespace: dict[str, Any], names: Names) -> list[Check]:
     else:
         results.append(skipped("§2.1", "attention function", f"the file defines no function {names.attention}"
                                "(q, k, v): name yours with --attention NAME"))
-    model, model_label, crash = _model(namespace, names)
+    model, model_label, crash = _model(namespace, names, discover)
     heads_class, block_class = find_class(namespace, names.heads), find_class(namespace, names.block)
     inside = [m for m in (model, _built(block_class, namespace)) if m is not None]
     block_class = block_class or _found_block(inside, namespace)
     heads = _found_heads(inside, namespace, heads_class)
     heads_class = heads_class or (type(heads) if heads is not None else None)
     blocks = find_blocks(model, block_class) if model is not None and block_class is not None else []
+    calls: dict[nn.Module, Call] = {}
+    results = _one_matrix_only(results, namespace, names.attention,
+                               lambda: calls.update(_calls(model, model_label, inside, heads)))
     parts = (("§4", "multi-head module", "heads", heads_class, heads_checks, heads),
              ("§5", "block", "block", block_class, block_checks, blocks[0] if blocks else None))
     for section, kind, flag, cls, checks, instance in parts:
@@ -123,14 +139,16 @@ def _grade(namespace: dict[str, Any], names: Names) -> list[Check]:
             results.append(skipped(section, kind, why))
         else:
             results += _guarded(section, cls.__name__, namespace,
-                                functools.partial(checks, cls, cls.__name__, namespace, instance))
+                                functools.partial(checks, cls, cls.__name__, namespace, instance, calls))
     if crash is not None:
         results.append(crash)
     elif model is None:
         results.append(skipped("§7.3", "language model", "the file defines none of "
                                f"{', '.join(MODEL_CLASSES)}: give a factory expression with "
                                "--model \"GPT(GPTConfig(...))\""))
-    else:
+    else:  # learning first: model_checks sharpens the model's weights in place
+        if learning:
+            results += _guarded("§7.2", model_label, namespace, lambda: learning_checks(model, model_label))
         results += _guarded("§7.1", model_label, namespace,
                             lambda: model_checks(model, model_label, block_class))
     if all(c.passed is None for c in results):
@@ -162,8 +180,9 @@ def _guarded(section: str, label: str, namespace: dict[str, Any],
                       cause=str(error) + _where(error, namespace))]
 
 
-def _model(namespace: dict[str, Any], names: Names) -> tuple[nn.Module | None, str, Check | None]:
-    """The learner's model, its label, and a failed line if building it crashed."""
+def _model(namespace: dict[str, Any], names: Names,
+           discover: bool) -> tuple[nn.Module | None, str, Check | None]:
+    """The learner's model, its label, and a skipped line if it could not be built."""
     if names.model:
         try:
             made = eval(names.model, namespace)  # noqa: S307 - the user's own expression, in their own module
@@ -180,7 +199,44 @@ def _model(namespace: dict[str, Any], names: Names) -> tuple[nn.Module | None, s
             except BuildError as error:
                 return None, name, skipped("§7.1", f"{name} builds", f"{error}: give the model with --model "
                                            f"\"{name}(...)\", sizes V=11, T_max=16, L=2, H=2, D=16")
-    return None, "", None
+    found = _discovered_model(namespace) if discover else None
+    return (found[1], found[0], None) if found is not None else (None, "", None)
+
+
+def _discovered_model(namespace: dict[str, Any]) -> tuple[str, nn.Module] | None:
+    """The learner's language model under any name: of the file's own module classes that build at the
+    check's sizes and map ids (B, T) to logits (B, T, V=11), the largest (it holds the others)."""
+    found = []
+    for name, cls in namespace.items():
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module) and _own(cls, namespace)):
+            continue
+        try:
+            made = build(cls, name, sizes(16, 2), namespace)
+            vocab = LanguageModel(made, name).vocab
+        except LearnerError:
+            continue
+        if vocab == 11:
+            found.append((sum(p.numel() for p in made.parameters()), name, made))
+    if not found:
+        return None
+    _, name, made = max(found, key=lambda f: f[0])
+    return name, made
+
+
+def _calls(model: nn.Module | None, label: str, inside: list[nn.Module],
+           heads: nn.Module | None) -> dict[nn.Module, Call]:
+    """How the model calls each of its parts (inside.record_calls); without a model, its parts are run on
+    rows so that their use of the attention function is seen. None if the learner's code crashes (its own
+    checks then say so)."""
+    try:
+        if model is not None:
+            return record_calls(model, label)
+        for part in [*inside, *([heads] if heads is not None else [])]:
+            rows = torch.randn(2, 6, input_width(part, 16), generator=torch.Generator().manual_seed(9))
+            run(type(part).__name__, part, rows)
+    except LearnerError:
+        pass
+    return {}
 
 
 def _built(cls: type | None, namespace: dict[str, Any]) -> nn.Module | None:
@@ -274,21 +330,37 @@ def _rank_check(att: AttentionFunction, shape: tuple[int, ...], slip: str | None
     one_at_a_time = att.works(*(t.reshape(-1, *t.shape[-2:])[0] for t in (q, k, v)))  # a single (T, d)
     if "einsum" in error.lower():
         return explain(check, EINSUM)
-    if one_at_a_time and not att.batched and check.passed is False and not _transposes_all_axes(att.fn):
-        return skipped("§3.2", name, f"{att.label} is written for one (T, d) matrix at a time (batches are "
-                       "checked by calling it on each matrix): fine for the handout's equations")
+    if one_at_a_time and not att.batched:  # kept only if the file's own code calls it on batches
+        check = replace(check, note=ONE_MATRIX)
     if one_at_a_time and slip is not None:
         return explain(check, RANK)
     return explain(check, SLIPS.get(slip or "", "") or UNKNOWN)
 
 
-def _transposes_all_axes(fn: Callable[..., Any]) -> bool:
-    """Whether fn's source uses `.T`, which reverses every axis (the transpose of a matrix only at rank 2)."""
+def _one_matrix_only(results: list[Check], namespace: dict[str, Any], name: str,
+                     run_learner: Callable[[], object]) -> list[Check]:
+    """Run the file's own code once (`run_learner()`: its model or parts), watching how it calls its
+    attention function: the rank checks of a function written for one matrix at a time are SKIPped
+    unless that code calls it on batches, where they are the classic `.T` bug."""
+    fn, ranks = namespace.get(name), list[int]()
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        ranks.extend(a.dim() for a in args[:1] if isinstance(a, torch.Tensor))
+        return fn(*args, **kwargs)  # type: ignore[misc]
+
+    watch = callable(fn) and any(c.note == ONE_MATRIX for c in results)
+    if watch:
+        namespace[name] = recording  # the file's modules look the function up in these globals
     try:
-        source = inspect.getsource(fn)
-    except (OSError, TypeError):  # no source to read: assume the classic slip, as before
-        return True
-    return re.search(r"\.T\b", source) is not None
+        run_learner()
+    finally:
+        if watch:
+            namespace[name] = fn
+    if not watch or any(rank >= 3 for rank in ranks):
+        return results
+    why = (f"{name} is written for one (T, d) matrix at a time, and the file's own code calls it only so: "
+           "fine for the handout's equations (batches are checked by calling it on each matrix)")
+    return [skipped(c.section, c.name, why) if c.note == ONE_MATRIX else c for c in results]
 
 
 def _mask_checks(att: AttentionFunction, slip: str) -> list[Check]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptlab.handout.learner.calling import LanguageModel, LearnerError
-from gptlab.handout.learner.mistakes import UNKNOWN, heads_cause
+from gptlab.handout.learner.mistakes import MASK_SLIPS, NAN, UNKNOWN, diagnose_reads, heads_cause
 from gptlab.handout.learner.parts import diagnose_inside
 from gptlab.handout.properties import (
     Check,
@@ -38,11 +38,18 @@ from gptlab.handout.properties import (
 T = 8  # positions the checks use
 LEAK = ("output i depends on a later input: the causal mask is missing, applied after the softmax, filled "
         "with 0 instead of -inf, or not applied in every block")
+BY_TOKEN = ("a position table is indexed by the token ids, so the same token gets the same row at every "
+            "position: index it by position, pos_emb(torch.arange(T))")
+BY_BATCH = ("the logits depend on the batch index: a position table indexed by it (pos_emb(torch.arange(B))) "
+            "or a reduction over the batch axis: index positions with torch.arange(T)")
 OUTSIDE = ("every block is causal on its own, so positions mix outside the blocks: look at the embedding, "
            "the final norm and the head")
 SHIFT = ("the loss scores each position against its own input token, not the next one: shift the targets "
          "by one (targets[:, i] = idx[:, i + 1]); the model learns to copy, a future leak generation "
          "never has")
+SHIFT_BOTH = ("the loss drops the first position of both the logits and the labels (logits[:, 1:] against "
+              "labels[:, 1:]), so each position is still scored against its own token: shift one against the "
+              "other, logits[:, :-1] against labels[:, 1:]")
 
 
 def sharpen(model: nn.Module) -> None:
@@ -66,19 +73,35 @@ def find_blocks(model: nn.Module, block_class: type | None) -> list[nn.Module]:
     return []
 
 
-def _token_embedding(lm: LanguageModel, idx: torch.Tensor) -> nn.Embedding | None:
-    """The nn.Embedding that the model feeds the ids themselves."""
-    fed: list[nn.Embedding] = []
-    hooks = [m.register_forward_pre_hook(lambda m, args: fed.append(m) if args and torch.equal(args[0], idx)
-                                         else None)
-             for m in lm.model.modules() if isinstance(m, nn.Embedding)]
+def _token_embedding(lm: LanguageModel, idx: torch.Tensor) -> nn.Module | None:
+    """The embedding table that the model feeds the ids themselves (the first, if several are)."""
+    fed = _fed_ids(lm, idx)
+    return fed[0] if fed else None
+
+
+def _fed_ids(lm: LanguageModel, idx: torch.Tensor, first_block: nn.Module | None = None,
+             rows: list[torch.Tensor] | None = None) -> list[nn.Module]:
+    """The embedding tables (nn.Embedding, or a class named *Embedding*) fed the token ids themselves while
+    the model runs on idx, in the order called; the first block's input rows are kept in `rows`."""
+    fed: list[nn.Module] = []
+    tables = [m for m in lm.model.modules()
+              if isinstance(m, nn.Embedding) or "embedding" in type(m).__name__.lower()]
+
+    def take(module: nn.Module, args: tuple) -> None:
+        ids = args[0] if args else None
+        if isinstance(ids, torch.Tensor) and ids.shape == idx.shape and torch.equal(ids, idx):
+            fed.append(module)
+
+    hooks = [m.register_forward_pre_hook(take) for m in tables]
+    if first_block is not None and rows is not None:
+        hooks.append(first_block.register_forward_pre_hook(lambda _, args: rows.extend(args[:1])))
     try:
         with torch.no_grad():
             lm.logits(idx)
     finally:
         for hook in hooks:
             hook.remove()
-    return fed[0] if fed else None
+    return list(dict.fromkeys(fed))
 
 
 def _jacobian_rows(outputs: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
@@ -97,7 +120,7 @@ def gradient_dependence(lm: LanguageModel, idx: torch.Tensor) -> torch.Tensor | 
 
     def swap(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         leaf.append(output.detach().requires_grad_())
-        return leaf[-1]
+        return leaf[-1].clone()  # not the leaf itself: the model may write into its input rows in place
 
     hook = embedding.register_forward_hook(swap)
     try:
@@ -143,17 +166,25 @@ def block_dependence(lm: LanguageModel, blocks: list[nn.Module], idx: torch.Tens
 
 def leak_cause(lm: LanguageModel, blocks: list[nn.Module], leaky: list[int], idx: torch.Tensor,
                width: int) -> str:
-    """Why output i sees later inputs: which blocks are unmasked, and how the mask is wrong in them."""
+    """Why output i sees later inputs (or the logits are NaN): which blocks are unmasked, and how the mask
+    is wrong in them, by the references on the attention's own weights, else by which rows a block reads."""
     if leaky and len(leaky) < len(blocks):
         masked = [b for b in range(len(blocks)) if b not in leaky]
         return (f"only block(s) {masked} of {len(blocks)} are masked; block(s) {leaky} let row i read later "
                 "rows, and an earlier block can copy the future into an allowed row that no later mask "
                 "removes: mask every block")
-    if not leaky and blocks:
-        return OUTSIDE
-    found = diagnose_inside(blocks[leaky[0]], lambda: lm.logits(idx), width) if leaky else None
-    cause = heads_cause(found)
-    return cause if cause not in ("", UNKNOWN) else LEAK
+    with torch.no_grad():
+        nan = bool(lm.logits(idx).isnan().any())
+    if not blocks or not (leaky or nan):
+        return OUTSIDE if blocks else LEAK
+    suspect = blocks[leaky[0] if leaky else 0]  # NaN logits: the first block is where they start
+    cause = heads_cause(diagnose_inside(suspect, lambda: lm.logits(idx), width))
+    if cause not in ("", UNKNOWN):
+        return cause
+    if nan:
+        return NAN
+    reads = block_dependence(lm, [suspect], idx)[0].abs().amax(-1) > 0  # (T, T): output row i reads row j
+    return MASK_SLIPS.get(diagnose_reads(reads) or "none", "") or LEAK
 
 
 def loss_check(lm: LanguageModel, tokens: torch.Tensor) -> Check:
@@ -170,6 +201,7 @@ def loss_check(lm: LanguageModel, tokens: torch.Tensor) -> Check:
             "the model shifts the targets itself": F.cross_entropy(logits[0, :-1], idx[0, 1:]),
         }
         own = lm.loss(idx, idx)
+        both = F.cross_entropy(logits[0, 1:], idx[0, 1:])  # the first position dropped from both
     inside = scored["the model shifts the targets itself"]
     if own is not None and abs(float(own) - float(inside)) <= 1e-4:  # it shifted the targets inside
         return close("§7.3", name, own.float(), inside, 1e-4, "cross-entropy of logits[i] against idx[i + 1]",
@@ -177,31 +209,40 @@ def loss_check(lm: LanguageModel, tokens: torch.Tensor) -> Check:
     check = close("§7.3", name, loss, scored["targets are the next tokens"], 1e-4,
                   "cross-entropy of logits[:, i] against targets[:, i] = idx[:, i + 1]")
     unshifted = abs(float(loss) - float(F.cross_entropy(logits[0], idx[0]))) <= 1e-4
-    return explain(check, SHIFT if unshifted else "the loss is not the cross-entropy of each position's "
-                   "logits against the next token: F.cross_entropy(logits.flatten(0, 1), targets.flatten())")
+    dropped = own is not None and abs(float(own) - float(both)) <= 1e-4
+    return explain(check, NAN if bool(loss.isnan()) else SHIFT if unshifted else SHIFT_BOTH if dropped
+                   else "the loss is not the cross-entropy of each position's logits against the next token: "
+                   "F.cross_entropy(logits.flatten(0, 1), targets.flatten())")
 
 
 def positions_check(lm: LanguageModel, blocks: list[nn.Module], idx: torch.Tensor) -> Check:
-    """§6.1: whether the same token starts with a different row at another position (positions added)."""
+    """§6.1: whether the same token starts with a different row at another position (positions added);
+    identical rows while a second table is fed the token ids is a position table indexed by the ids."""
     name = "input rows carry positions"
     if not blocks:
         return skipped("§6.1", name, "no blocks found, so the input rows cannot be read")
     rows: list[torch.Tensor] = []
-    hook = blocks[0].register_forward_pre_hook(lambda m, args: rows.append(args[0]) if args else None)
     same = idx.clone()
     same[0, 4] = same[0, 0]  # the same token at positions 0 and 4
-    try:
-        with torch.no_grad():
-            lm.logits(same)
-    finally:
-        hook.remove()
+    fed = len(_fed_ids(lm, same, blocks[0], rows))
     differ = float((rows[0][0, 4] - rows[0][0, 0]).abs().max()) if rows else 0.0
-    if differ > 1e-6:
-        return exceeds("§6.1", name, differ, 1e-6, "max |row 4 - row 0|, the same token at two positions",
-                       note="positions are added to the input rows")
+    if differ > 1e-6 or fed > 1:
+        check = exceeds("§6.1", name, differ, 1e-6, "max |row 4 - row 0|, the same token at two positions",
+                        note="positions are added to the input rows" if differ > 1e-6 else
+                        f"{fed} embedding tables are fed the token ids")
+        return explain(check, BY_TOKEN)
     return skipped("§6.1", name, f"identical rows (max |row 4 - row 0| = {differ:.1e}): a choice, no "
                    "positions are added, so apart from the causal mask (and RoPE, if used inside attention) "
                    "the model is order-blind (§6.1)")
+
+
+def batch_check(lm: LanguageModel, idx: torch.Tensor) -> Check:
+    """§3.2 for the whole model: the same sequence twice in a batch gives the same logits twice (nothing
+    depends on the batch index, e.g. a position table indexed by it)."""
+    with torch.no_grad():
+        twice = lm.logits(torch.cat([idx, idx]))  # (2, T, V)
+    return explain(close("§3.2", "the same sequence gives the same logits at every batch index", twice[1],
+                         twice[0], 1e-5, "batch item 0's logits"), BY_BATCH, NAN)
 
 
 def model_checks(model: nn.Module, label: str, block_class: type | None) -> list[Check]:
@@ -223,7 +264,7 @@ def model_checks(model: nn.Module, label: str, block_class: type | None) -> list
         close("§7.1", "appending a token leaves earlier logits unchanged", after, before, 1e-5,
               "logits before appending"),
         ignores_later_inputs(replaced, "output i ignores tokens after i (replacing them)"),
-        skipped("§7.3", "output i ignores inputs after i (gradients)", "no nn.Embedding is fed the ids")
+        skipped("§7.3", "output i ignores inputs after i (gradients)", "no embedding table is fed the ids")
         if gradient is None else ignores_later_inputs(gradient_rows(gradient),
                                                       "output i ignores inputs after i (gradients)", "grad"),
     ]
@@ -239,7 +280,7 @@ def model_checks(model: nn.Module, label: str, block_class: type | None) -> list
     if any(c.passed is False for c in results):
         cause = leak_cause(lm, blocks, leaky, idx, _width(model))
         results = [explain(c, cause) for c in results]
-    return results + [loss_check(lm, tokens), positions_check(lm, blocks, idx)]
+    return results + [loss_check(lm, tokens), batch_check(lm, idx), positions_check(lm, blocks, idx)]
 
 
 def _width(model: nn.Module) -> int:

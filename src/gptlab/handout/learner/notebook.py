@@ -130,7 +130,7 @@ def check(attention: Callable[..., Any] | None = None, heads: type | nn.Module |
     names, extra, shown = _place(given, namespace)
     title = f"gptlab.check({', '.join(f'{k}={v}' for k, v in shown.items())}) {IN_PROCESS}"
     try:
-        results = grade(namespace, names) + extra
+        results = grade(namespace, names, discover=False) + extra  # only what was passed
     except LearnerError as error:  # nothing applied: a model class that cannot be built says why itself
         return CheckResult(FileReport(Path("gptlab.check"), extra, None if extra else str(error)), title)
     return CheckResult(FileReport(Path("gptlab.check"), _translated(results, given)), title)

@@ -20,7 +20,15 @@ from torch import nn
 
 from gptlab.handout.learner.build import BuildError, build, sizes
 from gptlab.handout.learner.calling import LearnerError, run, shapes, visible_masks
-from gptlab.handout.learner.mistakes import AVERAGED, UNKNOWN, diagnose_heads, heads_cause, heads_reference
+from gptlab.handout.learner.inside import Call, needs_arguments, rotary, with_rows
+from gptlab.handout.learner.mistakes import (
+    AVERAGED,
+    NAN,
+    UNKNOWN,
+    diagnose_heads,
+    heads_cause,
+    heads_reference,
+)
 from gptlab.handout.learner.projections import Wiring, find_wiring, layouts
 from gptlab.handout.properties import Check, at_most, close, explain, permutation_equivariant, skipped
 from gptlab.handout.worked import (
@@ -60,15 +68,19 @@ def _required_mask(module: nn.Module) -> bool:
     return any(p.default is p.empty and p.kind in positional for p in params)
 
 
-def rows_of(module: nn.Module, label: str, width: int) -> Rows:
+def rows_of(module: nn.Module, label: str, width: int, recorded: Call | None = None) -> Rows:
     """module(x) as a function of rows (B, T, D), reading the output rows out of a tuple if it returns one.
 
-    A forward that requires a mask gets one that hides nothing: the first of `visible_masks` it runs with and
-    gives finite rows for (the checks here are of unmasked parts; the model's own mask is checked whole)."""
+    Called as the model called it when that call was `recorded`, x in place of its rows. Otherwise a forward
+    that requires a mask gets one that hides nothing: the first of `visible_masks` it runs with and gives
+    finite rows for (the checks here are of unmasked parts; the model's own mask is checked whole)."""
     chosen: list[int] = []
 
     def call(x: torch.Tensor) -> Any:
         shown = f"{label}(x {tuple(x.shape)})"
+        if recorded is not None:
+            args, kwargs = with_rows(recorded, x)
+            return run(f"{shown} as the model calls it", module, *args, **kwargs)
         if not _required_mask(module):
             return run(shown, module, x)
         masks = visible_masks(x.size(1), x.size(1))
@@ -275,20 +287,40 @@ def read_as(module: nn.Module, forward: Rows, x: torch.Tensor, width: int, n_hea
     return found
 
 
-def heads_checks(cls: type, label: str, namespace: dict[str, Any],
-                 instance: nn.Module | None = None) -> list[Check]:
+def checked_part(cls: type, label: str, width: int, namespace: dict[str, Any], instance: nn.Module | None,
+                 calls: dict[nn.Module, Call]) -> tuple[nn.Module, int, Rows, Call | None]:
+    """The part to check, its width, its rows function and the model's call of it: the instance inside the
+    model, called as the model calls it, when the class's forward needs more than rows; else a fresh one."""
+    recorded = calls.get(instance) if instance is not None else None
+    if instance is not None and recorded is not None and recorded[0] and needs_arguments(cls):
+        D = input_width(instance, width)
+        return instance.eval(), D, rows_of(instance, label, D, recorded), recorded
+    module, D = part_at(cls, label, width, 2, namespace, instance)
+    return module, D, rows_of(module, label, D), None
+
+
+def heads_checks(cls: type, label: str, namespace: dict[str, Any], instance: nn.Module | None = None,
+                 calls: dict[nn.Module, Call] | None = None) -> list[Check]:
     """§3.2, §4, §4.1, §4.2 and §6.1 for a multi-head module class (or its instance in the model)."""
-    module, D = part_at(cls, label, 8, 2, namespace, instance)
-    forward = rows_of(module, label, D)
+    module, D, forward, recorded = checked_part(cls, label, 8, namespace, instance, calls or {})
     x, changed = _rows(D, seed=40)
     wiring = read_as(module, forward, x, D, 2)
     mha_layout = isinstance(wiring, Wiring) and not wiring.batch_first
     results = [explain(head_parameters(module, D, 2), _parameter_cause(module, D, 2)),
-               explain(batch_items_apart(forward, x, changed, label), MHA_LAYOUT if mha_layout else BATCH)]
-    with torch.no_grad():
-        results.append(written_out(forward, wiring, x))
-    cause = results[-1].cause or UNKNOWN
-    results += _two_heads_checks(cls, label, namespace, cause)
+               explain(batch_items_apart(forward, x, changed, label), MHA_LAYOUT if mha_layout else BATCH,
+                       NAN)]
+    inside = rotary(module, recorded)
+    if inside:
+        why = (f"{label} adds positions inside attention (rotary embeddings), which §4.1 and §4.2's "
+               "formulas leave out: its output is checked in the model (§7)")
+        results += [skipped("§4.2", "module equals its projections written out per head", why),
+                    skipped("§4.1", "output at position 2", why)]
+    else:
+        with torch.no_grad():
+            results.append(written_out(forward, wiring, x))
+        results += (_two_heads_checks(cls, label, namespace, results[-1].cause or UNKNOWN) if recorded is None
+                    else [skipped("§4.1", "output at position 2", f"{label}'s forward takes more than rows: "
+                                  "§4.1 needs a fresh module of D=4 called on its own")])
     results.append(equivariance(forward, x, masked(module, forward, x, D), label))
     return results
 
@@ -328,21 +360,27 @@ def arrangement(forward: Rows, x: torch.Tensor) -> Check:
     normalised = spread < 0.05
     kind = "pre-norm" if moved < 0.01 else "post-norm" if normalised else "neither"
     measured = moved / 0.01 if kind == "pre-norm" else spread / 0.05  # below 1 for either arrangement
+    kept = float(out.norm() / big.norm())  # near 0: bounded rows that no longer carry the input
+    causes = {"nan": NAN,
+              "no residual": f"the block's output does not carry its input (|block(s x)| / |s x| = "
+                             f"{kept:.1e} at s = 1000): a sublayer has no residual connection, "
+                             "x = attn(ln1(x)) replaces the stream: add it, x = x + attn(ln1(x)); "
+                             "x = x + mlp(ln2(x))",
+              "no norm": "the block has no norm on the residual path as §5 draws it: pre-norm x = x + "
+                         "attn(ln1(x)); x = x + mlp(ln2(x)), or post-norm x = ln1(x + attn(x)); ..."}
+    why = "nan" if bool(out.isnan().any()) else "no residual" if kept < 0.01 else "no norm"
     return at_most("§5", "pre-norm or post-norm arrangement", measured, 1.0,
                    "pre-norm x + g(LN(x)) or post-norm LN(x + g(x))",
                    f"{kind} (|block(s x) - s x| / |s x| = {moved:.1e} at s = 1000)",
-                   cause="" if kind != "neither" else "the block has no norm on the residual path as §5 "
-                   "draws it: pre-norm x = x + attn(ln1(x)); x = x + mlp(ln2(x)), or post-norm "
-                   "x = ln1(x + attn(x)); ...")
+                   cause="" if kind != "neither" else causes[why])
 
 
-def block_checks(cls: type, label: str, namespace: dict[str, Any],
-                 instance: nn.Module | None = None) -> list[Check]:
+def block_checks(cls: type, label: str, namespace: dict[str, Any], instance: nn.Module | None = None,
+                 calls: dict[nn.Module, Call] | None = None) -> list[Check]:
     """§3.2, §5 and §6.1 for a block class (or its instance in the model)."""
-    block, D = part_at(cls, label, 16, 2, namespace, instance)
-    forward = rows_of(block, label, D)
+    block, D, forward, _ = checked_part(cls, label, 16, namespace, instance, calls or {})
     x, changed = _rows(D, seed=50)
-    results = [explain(batch_items_apart(forward, x, changed, label), BATCH)]
+    results = [explain(batch_items_apart(forward, x, changed, label), BATCH, NAN)]
     for norm in _norms(block):
         norm_label = type(norm).__name__
         if isinstance(norm, nn.RMSNorm) or "rms" in norm_label.lower():

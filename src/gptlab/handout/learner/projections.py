@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 Piece = tuple[torch.Tensor, torch.Tensor | None, slice]  # (weight, bias, its rows that belong)
-ROLE_WORDS = {"q": ("q", "query", "queries"), "k": ("k", "key", "keys"), "v": ("v", "value", "values")}
+ROLE_WORDS = {"q": ("q", "qs", "query", "queries"), "k": ("k", "ks", "key", "keys"),
+              "v": ("v", "vs", "value", "values")}
 AFFIXES = re.compile(r"^(w_?|to_|proj_|linear_)|(_?proj(ection)?|_?linear|_?layer|_?net)$")
 HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "nhead", "nheads", "h", "heads", "head_count")
 
