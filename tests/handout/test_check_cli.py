@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from gptlab.cli import main
-from gptlab.handout.learner import isolate
+from gptlab.handout.learner import child, isolate
+from gptlab.handout.learner.child import import_and_grade
 from gptlab.handout.learner.formats import csv_rows, gradescope_results, json_records, text_lines
 from gptlab.handout.learner.grade import LearnerError, Names
-from gptlab.handout.learner.isolate import FileReport, check_file, import_and_grade
+from gptlab.handout.learner.isolate import FileReport, check_file
 from gptlab.handout.properties import Check
 
 # A correct attention in a learner's own style (einsum, the mask keeps where True), and the classic
@@ -165,31 +166,31 @@ def test_exit_at_import_is_one_line(tmp_path: Path) -> None:
 def test_grades_failures_are_one_line_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = learner_file(tmp_path, "broken_heads.py", "def attention(q, k, v):\n    return q / 0\n")
 
-    def learner_error(namespace: dict[str, Any], names: Names) -> list[Check]:
+    def learner_error(namespace: dict[str, Any], names: Names, **_: Any) -> list[Check]:
         try:
             namespace["attention"](1, 2, 3)
         except ZeroDivisionError as err:
             raise LearnerError("attention raised ZeroDivisionError: division by zero") from err
         return []
 
-    monkeypatch.setattr(isolate, "grade", learner_error)
+    monkeypatch.setattr(child, "grade", learner_error)
     outcome = import_and_grade(path, Names(), "broken_heads.py")
     assert outcome["error"] == "broken_heads.py: attention raised ZeroDivisionError: division by zero"
     lines = [line for line in outcome["traceback"].splitlines() if line.strip("~^ ")]  # 3.11's markers aside
     assert lines[1:] == [f'  File "{path}", line 2, in attention', "    return q / 0",
                          "ZeroDivisionError: division by zero"]
 
-    monkeypatch.setattr(isolate, "grade", lambda namespace, names: namespace["attention"](1, 2, 3))
+    monkeypatch.setattr(child, "grade", lambda namespace, names, **_: namespace["attention"](1, 2, 3))
     assert import_and_grade(path, Names(), "broken_heads.py")["error"] == (
         "broken_heads.py: the learner's code crashed (ZeroDivisionError: division by zero) at line 2 while "
         "being checked")
 
-    monkeypatch.setattr(isolate, "grade", lambda namespace, names: {}["gptlab's own slip"])
+    monkeypatch.setattr(child, "grade", lambda namespace, names, **_: {}["gptlab's own slip"])
     outcome = import_and_grade(path, Names(), "broken_heads.py")
     assert outcome["error"].startswith("broken_heads.py: gptlab's checks crashed (KeyError: ")
-    assert "isolate.py" in outcome["traceback"]  # a bug of gptlab's keeps its whole traceback, for a report
+    assert "child.py" in outcome["traceback"]  # a bug of gptlab's keeps its whole traceback, for a report
 
-    monkeypatch.setattr(isolate, "grade", lambda namespace, names: [RETRIEVAL, FUSED])
+    monkeypatch.setattr(child, "grade", lambda namespace, names, **_: [RETRIEVAL, FUSED])
     outcome = import_and_grade(path, Names(), "broken_heads.py")
     assert outcome["checks"] == [dataclasses.asdict(RETRIEVAL), dataclasses.asdict(FUSED)]
     assert outcome["error"] is None
@@ -226,7 +227,8 @@ def test_the_command_writes_every_format_and_exits_1_on_a_failure(
                "gone.py": FileReport(Path("gone.py"), [], "gone.py: import failed at line 1: ImportError: x")}
     seen: list[tuple[Names, float, int]] = []
 
-    def fake_check_file(path: Path, names: Names, timeout_s: float, memory_mb: int) -> FileReport:
+    def fake_check_file(path: Path, names: Names, timeout_s: float, memory_mb: int,
+                        pictures: bool = False, learning: bool = True) -> FileReport:
         seen.append((names, timeout_s, memory_mb))
         return results[path.name]
 

@@ -90,7 +90,8 @@ def test_a_submission_cannot_set_its_own_grade(tmp_path: Path, how: str) -> None
         "replaces grade": f'''
 import sys
 from gptlab.handout.properties import Check
-sys.modules["__main__"].grade = lambda namespace, names: [{forged} for i in range(43)]
+child = sys.modules["gptlab.handout.learner.child"]  # where the child grades the file
+child.grade = lambda namespace, names, **_: [{forged} for i in range(43)]
 ''',
         "writes the report": f'''
 import json, os, sys, threading

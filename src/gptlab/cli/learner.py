@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,14 @@ was expected, what was measured and the most likely cause with its fix. The docu
                               is next-token
 
 A check that cannot apply (no weights to set, no mask argument) is SKIPped with the reason, never
-passed. Each file runs in a child process with a time limit and a memory limit, so an endless
-loop, an allocation without bound or a crash is one line naming the file. This is isolation
-against mistakes, NOT a sandbox: the file's code runs with your rights, so check only code you
-would run yourself (or run gptlab check inside a container). Exit status: 0 every check that
-applies passed, 1 a check failed or a file could not be checked, 2 a usage mistake."""
+passed. A folder given as FILE.py means the .py files in it. Each file runs in a child process of
+its own with a time limit and a memory limit, so an endless loop, an allocation without bound or a
+crash is one line naming the file; on Linux the children are forked from one process that imported
+torch once, so only the first file waits for torch's import, and --jobs N checks N at a time (the
+report keeps the files' order). This is isolation against mistakes, NOT a sandbox: the file's code
+runs with your rights, so check only code you would run yourself (or run gptlab check inside a
+container). Exit status: 0 every check that applies passed, 1 a check failed or a file could not be
+checked, 2 a usage mistake."""
 
 CHECK_EPILOG = """\
 examples:
@@ -36,6 +40,8 @@ examples:
   gptlab check model.py --model "GPT(GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_embd=8))"
   gptlab check mine.py --attention scaled_attention --heads Heads --verbose
   gptlab check submissions/*.py --csv grades.csv
+  gptlab check submissions/ --jobs 2
+  gptlab check mine.py --html pages        # then open pages/mine.html
   gptlab check /autograder/submission/model.py --gradescope /autograder/results/results.json"""
 
 BREAK_DESCRIPTION = """\
@@ -53,8 +59,30 @@ examples:
   gptlab break unshifted-targets --train --seconds 60 --out runs/break"""
 
 
+def learner_files(names: list[str]) -> list[Path]:
+    """The files to check: each FILE.py given, and for a folder its .py files, sorted."""
+    paths = []
+    for path in map(Path, names):
+        if path.is_dir():
+            found = sorted(inside for inside in path.glob("*.py") if inside.is_file())
+            if not found:
+                raise ValueError(f"{path}: a folder with no .py file in it")
+            paths += found
+        elif not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        elif path.suffix != ".py":
+            raise ValueError(f"{path} is not a Python file: give the .py file that defines your attention, "
+                             "heads, block or model")
+        else:
+            paths.append(path)
+    return paths
+
+
 def cmd_check(args: argparse.Namespace) -> int:
-    """Check each file in its own child process, print the report, write the files asked for."""
+    """Check each file in its own child process, --jobs at a time, print the reports in the files' order,
+    write the files asked for."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from gptlab.handout.learner.formats import (
         json_records,
         succeeded,
@@ -63,30 +91,40 @@ def cmd_check(args: argparse.Namespace) -> int:
         write_gradescope,
     )
     from gptlab.handout.learner.grade import Names
-    from gptlab.handout.learner.isolate import check_file
+    from gptlab.handout.learner.isolate import check_file, stop_server
 
-    paths = [Path(name) for name in args.files]
-    for path in paths:
-        if not path.is_file():
-            raise ValueError(f"{path}: no such file")
-        if path.suffix != ".py":
-            raise ValueError(f"{path} is not a Python file: give the .py file that defines your attention, "
-                             "heads, block or model")
+    paths = learner_files(args.files)
     if args.timeout <= 0 or args.memory_mb <= 0:
         raise ValueError("--timeout and --memory-mb must be positive")
+    if args.jobs < 1:
+        raise ValueError("--jobs must be at least 1")
     given = {"attention": args.attention, "heads": args.heads, "block": args.block, "model": args.model}
     names = Names(**{field: value for field, value in given.items() if value is not None})
     reports = []
-    for path in paths:
-        reports.append(check_file(path, names, args.timeout, args.memory_mb))
-        if not args.json:
-            print("\n".join(text_lines(reports[-1], args.verbose)), flush=True)
+    pool = ThreadPoolExecutor(args.jobs)
+    try:
+        for report in pool.map(lambda path: check_file(path, names, args.timeout, args.memory_mb,
+                                                       pictures=bool(args.html), learning=args.learning),
+                               paths):
+            reports.append(report)
+            if not args.json:
+                print("\n".join(text_lines(report, args.verbose)), flush=True)
+    finally:  # the check server ends with the command; interrupted, running checks are killed now
+        pool.shutdown(wait=False, cancel_futures=True)
+        stop_server()
+        pool.shutdown()
     if args.json:
         print("[" + ",\n".join(json.dumps(record, allow_nan=False) for record in json_records(reports)) + "]")
     if args.gradescope:
         write_gradescope(reports, Path(args.gradescope))
     if args.csv:
         write_csv(reports, Path(args.csv))
+    if args.html:
+        from gptlab.handout.learner.page import write_page
+
+        pages = [write_page(report, Path(args.html), report.pictures) for report in reports]
+        print(f"wrote {len(pages)} page{'s' * (len(pages) != 1)} to {args.html}/ (open {pages[0].name} in a "
+              "browser)", file=sys.stderr if args.json else sys.stdout)
     if len(reports) > 1 and not args.json:
         print(f"\n{sum(map(succeeded, reports))} of {len(reports)} files passed every check that applies")
     return 0 if all(map(succeeded, reports)) else 1
@@ -128,7 +166,8 @@ def add_learner_commands(sub: Any) -> None:
     check = sub.add_parser("check", help="check your own attention, heads, block or model (handout #11)",
                            description=CHECK_DESCRIPTION, epilog=CHECK_EPILOG,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    check.add_argument("files", nargs="+", metavar="FILE.py", help="the learner's files, each checked apart")
+    check.add_argument("files", nargs="+", metavar="FILE.py", help="the learner's files, each checked apart; "
+                       "a folder means its .py files")
     names = check.add_argument_group("names (when yours differ from the documented ones)")
     names.add_argument("--attention", metavar="NAME", help="the attention function (default attention)")
     names.add_argument("--heads", metavar="NAME", help="the multi-head module (default MultiHeadAttention)")
@@ -144,8 +183,15 @@ def add_learner_commands(sub: Any) -> None:
                        "results (one test per check, one point each)")
     check.add_argument("--csv", metavar="GRADES.csv", help="also write one row per file: file, passed, "
                        "failed, skipped, score (percent of the checks that apply), error")
-    check.add_argument("--timeout", type=float, default=60, metavar="S", help="seconds each file may take, "
-                       "torch's import (~2 s) included (default 60)")
+    check.add_argument("--html", metavar="DIR", help="also write one offline page per file into DIR: the "
+                       "checks, your attention weights on the handout's worked inputs beside the reference, "
+                       "and each block's dependence of output i on input j, a leak above the diagonal marked")
+    check.add_argument("--no-learning", dest="learning", action="store_false", help="leave out the §7.2 "
+                       "learning checks (initial loss, gradients, memorising a batch: up to a second each)")
+    check.add_argument("--timeout", type=float, default=60, metavar="S", help="seconds each file may take "
+                       "(default 60); the first files' include starting torch (~2 s, once)")
+    check.add_argument("--jobs", type=int, default=1, metavar="N", help="files checked at a time, the report "
+                       "still in the files' order (default 1)")
     check.add_argument("--memory-mb", type=int, default=4096, metavar="N", help="memory each file's code "
                        "may take beyond the torch import, Linux only (default 4096)")
     check.set_defaults(func=cmd_check)

@@ -71,7 +71,7 @@ from gptlab.handout.worked import (
     weights_of,
 )
 
-__all__ = ["LearnerError", "Names", "grade"]
+__all__ = ["LearnerError", "Names", "grade", "subjects"]
 
 MODEL_CLASSES = ("GPT", "GPTLanguageModel", "LanguageModel", "TransformerLM", "Transformer", "Model")
 ONE_MATRIX = "the function runs on one (T, d) matrix only"  # marks rank checks until the file's use is known
@@ -109,6 +109,16 @@ def grade(namespace: dict[str, Any], names: Names = Names(), discover: bool = Tr
         finally:
             torch.set_default_dtype(dtype)
             torch.set_num_threads(threads)
+
+
+def subjects(namespace: dict[str, Any], names: Names = Names()) -> tuple[Callable[..., Any] | None,
+                                                                       nn.Module | None, type | None]:
+    """What the checks run on, for pictures: the attention function, the model (built afresh) and the block
+    class, each None where the file has none (or its model cannot be built)."""
+    fn = namespace.get(names.attention)
+    model = _model(namespace, names, discover=True)[0]
+    function = fn if callable(fn) and not isinstance(fn, type) else None
+    return function, model, find_class(namespace, names.block)
 
 
 def _grade(namespace: dict[str, Any], names: Names, discover: bool, learning: bool) -> list[Check]:

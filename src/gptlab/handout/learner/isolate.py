@@ -5,30 +5,36 @@ without bound, a crash, a call to exit() or a wrong return shape becomes one lin
 problem, but the learner's code runs with your rights and can read, write or delete whatever you can.
 Check only code you would run yourself, or run `gptlab check` inside a container or a throw-away account.
 
-The child is `python -m gptlab.handout.learner.isolate`, started in a temporary folder of its own holding
-copies of the learner's file and the .py files beside it (so that, in a batch, one file cannot delete or
-rewrite another), with a new session (its whole process group is killed however it ends), no stdin,
-CUDA hidden (the checks run on the CPU; CUDA would also reserve address space far beyond any limit) and
-matplotlib drawing off-screen. It imports torch and the
-checks first, then caps its address space (RLIMIT_AS, Linux) at what that import took plus `memory_mb`,
-so the limit is the learner's share whatever torch's build maps (measured with torch 2.13's CPU build:
-12 MB of address space for bare Python, 626 MB after importing torch and the checks; a CUDA build maps
-more). The default of 4096 MB is far above what the handout's tiny models need and stops an allocation
-without bound within a second or two. The wall-clock limit covers the whole child, torch's import
-(~2 s of CPU) included. The checks come back as JSON.
+On Linux each file's child is forked from a check server, one per process and started by the first check:
+a fresh interpreter, CUDA hidden in its environment (the checks run on the CPU; CUDA would also reserve
+address space far beyond any limit), that imports torch and the checks once and runs no tensor operation
+(forking after one is unsafe: torch's thread pool). Elsewhere each child is a fresh interpreter,
+`python -m gptlab.handout.learner.isolate`, that imports them itself. Either way the child works in a
+temporary folder of its own holding copies of the learner's file and the .py files beside it (so that, in
+a batch, one file cannot delete or rewrite another), leads a new session (its whole process group is
+killed however it ends), has no stdin, draws matplotlib off-screen, and caps its address space (RLIMIT_AS,
+Linux) at its size after the import of torch and the checks plus `memory_mb`, so the limit is the
+learner's share whatever torch's build maps (measured with torch 2.13's CPU build: 12 MB of address space
+for bare Python, 626 MB after importing torch and the checks; a CUDA build maps more). The default of
+4096 MB is far above what the handout's tiny models need and stops an allocation without bound within a
+second or two. The wall-clock limit counts from the start of the file's check, so a server still starting
+(torch's import, ~2 s of CPU, once) takes from the first files' time. The checks come back as JSON.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import faulthandler
 import functools
-import importlib.util
 import io
 import json
 import os
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,17 +44,30 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 
-from gptlab.handout.learner.grade import LearnerError, Names, grade
+from gptlab.handout.learner.child import import_and_grade
+from gptlab.handout.learner.grade import Names
+from gptlab.handout.learner.page import Pictures
 from gptlab.handout.properties import Check, Evidence, judge
 
 MiB = 2**20
 TAIL_BYTES = 8192  # the end of the child's own output kept, for the report of a child that died
 KILLED_HINT = {getattr(signal, name) for name in ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS")
                if hasattr(signal, name)}  # how memory exhaustion ends (Windows has no SIGKILL, no SIGBUS)
+FORK_SERVER = sys.platform == "linux"  # fork children from the check server; else a fresh interpreter each
+# (forking a process that imported torch is unsafe on macOS and impossible on Windows)
+SERVE = """\
+import sys
+if sys.path[:1] == [""]:
+    del sys.path[0]  # import nothing from the folder gptlab check was started in
+from gptlab.handout.learner.isolate import _serve
+_serve(int(sys.argv[1]))
+"""
+_SERVER: dict[str, Any] = {}  # this process's check server: "process" and "control", its connection
+_SERVER_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -60,17 +79,22 @@ class FileReport:
     error: str | None = None  # one line naming the file and the problem
     traceback: str = ""  # the learner's traceback trimmed to frames in their file, or the child's last
     # output where it died or was stopped without one (shown with --verbose and in Gradescope's output)
+    pictures: Pictures | None = None  # what the file's page draws (check_file(pictures=True), --html)
 
 
-def check_file(path: Path, names: Names, timeout_s: float = 60, memory_mb: int = 4096) -> FileReport:
+def check_file(path: Path, names: Names, timeout_s: float = 60, memory_mb: int = 4096,
+               pictures: bool = False, learning: bool = True) -> FileReport:
     """Import `path` in a child process limited to `timeout_s` seconds and `memory_mb` MB beyond the torch
-    import, and grade what it defines there. Isolation against mistakes, not a sandbox (module docstring)."""
+    import, and grade what it defines there (with `pictures`, also measure what its page draws). Isolation
+    against mistakes, not a sandbox (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="gptlab-check-") as folder:
         copy = _private_copy(path, Path(folder) / "work")
         result = Path(folder) / "result.json"
         request = {"path": str(copy), "shown": str(path), "result": str(result),
-                   "names": dataclasses.asdict(names), "memory_mb": memory_mb}
-        returncode, timed_out, tail = _run_child(request, copy.parent, timeout_s)
+                   "names": dataclasses.asdict(names), "memory_mb": memory_mb, "pictures": pictures,
+                   "learning": learning}
+        run = _run_forked if FORK_SERVER else _run_child
+        returncode, timed_out, tail = run(request, copy.parent, timeout_s)
         if timed_out:
             return FileReport(path, [], f"{path}: stopped at the time limit of {timeout_s:g} s: an endless "
                               "loop, or training at import? Keep script code under `if __name__ == "
@@ -88,6 +112,7 @@ def _report(path: Path, outcome: Any, memory_mb: int, copy: str) -> FileReport:
         checks = [judge(Check(**{**fields, "evidence": Evidence.from_record(fields["evidence"])
                                  if fields["evidence"] else None})) for fields in outcome["checks"]]
         error, traceback_text = outcome["error"], str(outcome["traceback"]).replace(copy, str(path))
+        drawn = Pictures.from_record(outcome["pictures"]) if outcome.get("pictures") else None
     except (KeyError, TypeError, ValueError, RuntimeError):  # written by something else than the child's code
         return FileReport(path, [], f"{path}: the check process's report is malformed: the learner's code "
                           "changed the checks or wrote their report")
@@ -95,7 +120,7 @@ def _report(path: Path, outcome: Any, memory_mb: int, copy: str) -> FileReport:
         error = f"{error}: the limit is {memory_mb} MB beyond the torch import (raise it with --memory-mb)"
     if error is None and not checks:
         error = f"{path}: the check process reported no checks: the learner's code changed the checks"
-    return FileReport(path, checks, error and str(error), traceback_text)
+    return FileReport(path, checks, error and str(error), traceback_text, drawn)
 
 
 def _private_copy(path: Path, folder: Path) -> Path:
@@ -116,8 +141,8 @@ def _run_child(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[in
     killed before it is reaped, so nothing the learner's code started outlives the check."""
     child = subprocess.Popen(
         [sys.executable, "-m", "gptlab.handout.learner.isolate", json.dumps(request)], cwd=cwd,
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"},
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True)
     tail, timed_out = _keep_tail(child.stdout), False
     try:
         timed_out = not _exited(child, timeout_s)
@@ -156,102 +181,66 @@ def _kill_group(child: subprocess.Popen) -> None:
         pass
 
 
-def import_and_grade(path: Path, names: Names, shown: str,
-                     limit: Callable[[], Callable[[], None]] = lambda: lambda: None) -> dict[str, Any]:
-    """Import the learner's file in this process and grade it: {"checks", "error", "traceback",
-    "out_of_memory"} as plain data, every failure of the learner's code one line that names `shown`.
-
-    `limit()` is called before the learner's code runs and returns the call that lifts it, made before
-    any report is built (the learner's globals may still hold the memory). Meant for the child: the
-    file's folder goes first on sys.path and the module into sys.modules, as running it as a script would.
-    """
-    lift, imported = limit(), False
-    try:
-        namespace = _import(path)
-        imported = True
-        checks = grade(namespace, names)
-    except BaseException as err:  # whatever the learner's code raised, SystemExit included
-        lift()
-        return _check_failure(err, path, shown) if imported else _import_failure(err, path, shown)
-    lift()
-    return {"checks": [{**check.record(), "evidence": check.evidence and check.evidence.record()}
-                       for check in checks], "error": None, "traceback": "", "out_of_memory": False}
+def _child_env() -> dict[str, str]:
+    """The child's environment: CUDA hidden (before torch's import), matplotlib off-screen, no buffering."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
 
 
-def _learner_traceback(err: BaseException, path: Path) -> str:
-    """The traceback of `err` trimmed to the frames in the learner's file, then the exception itself."""
-    frames = [frame for frame in traceback.extract_tb(err.__traceback__) if frame.filename == str(path)]
-    head = [f"Traceback (frames in {path.name} only):\n", *traceback.format_list(frames)] if frames else []
-    return "".join([*head, *traceback.format_exception_only(type(err), err)])
+def _run_forked(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[int, bool, str]:
+    """Run the child on `request` in `cwd`, forked by the check server: its exit status, whether it ran past
+    `timeout_s` (counted from now), its last output. However it ends, the server kills its group (_serve)."""
+    deadline = time.monotonic() + timeout_s
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    read, write = os.pipe()  # the child's stdout and stderr
+    tail, returncode = _keep_tail(open(read, "rb")), -signal.SIGKILL
+    with ours:
+        try:
+            try:
+                message = json.dumps({"request": request, "cwd": str(cwd)}).encode()
+                socket.send_fds(_server(), [message], [theirs.fileno(), write])
+            finally:
+                theirs.close()
+                os.close(write)
+            ours.settimeout(max(deadline - time.monotonic(), 0.001))
+            reply = ours.recv(16)
+            if not reply:
+                raise RuntimeError("gptlab check's server process ended while a file was being checked")
+            returncode, timed_out = int(reply), False
+        except TimeoutError:
+            timed_out = True
+        finally:
+            with contextlib.suppress(OSError):  # the server is gone: nothing left to end
+                ours.settimeout(10)
+                ours.send(b"end")
+                while ours.recv(16):  # the server closes the connection once the group is killed
+                    pass
+    return returncode, timed_out, tail()
 
 
-def _import(path: Path) -> dict[str, Any]:
-    """Execute the file as a module named after it (unless that name is taken) and return its globals."""
-    name = path.stem if path.stem.isidentifier() and path.stem not in sys.modules else "submission"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None, f"{path} cannot be loaded as a module"
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(path.parent))  # its own helper modules import as they would from a script
-    sys.modules[name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return vars(module)
+def _server() -> socket.socket:
+    """The connection to this process's check server, started on first use (a server that died is replaced):
+    a fresh interpreter with the children's environment that imports torch and the checks, and forks."""
+    with _SERVER_LOCK:
+        if "process" not in _SERVER or _SERVER["process"].poll() is not None:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            with theirs:
+                process = subprocess.Popen(
+                    [sys.executable, "-c", SERVE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                    env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                    start_new_session=True)
+            _SERVER.update(process=process, control=ours)
+        return _SERVER["control"]
 
 
-def _import_failure(err: BaseException, path: Path, shown: str) -> dict[str, Any]:
-    """The outcome of a file whose import raised: what went wrong, in words, at which line of the file."""
-    if isinstance(err, SyntaxError):
-        where = "" if err.filename == str(path) else f" in {err.filename}"
-        return _failure(err, path, f"{shown}: syntax error{where} at line {err.lineno}: {err.msg}")
-    at = "" if (line := _last_line_in(err, path)) is None else f" at line {line}"
-    if isinstance(err, SystemExit):
-        return _failure(err, path, f"{shown}: the file called exit(){at} on import: keep script code under "
-                        "`if __name__ == \"__main__\":`")
-    if _out_of_memory(err):
-        return _failure(err, path, f"{shown}: ran out of memory{at} on import ({type(err).__name__})")
-    return _failure(err, path, f"{shown}: import failed{at}: {_exception_line(err)}")
+def stop_server() -> None:
+    """End this process's check server, if it runs: a check still running is killed, its whole group."""
+    with _SERVER_LOCK:
+        if "process" in _SERVER:
+            _SERVER.pop("control").close()  # the server reads end-of-file, kills every group and ends
+            _SERVER.pop("process").wait()
 
 
-def _check_failure(err: BaseException, path: Path, shown: str) -> dict[str, Any]:
-    """The outcome of a file whose definitions broke a check: grade's LearnerError, or a crash."""
-    if isinstance(err, LearnerError):  # grade's one line; the traceback is the learner's, when it has one
-        return _failure(err.__cause__ or err.__context__, path, f"{shown}: {err}")
-    line = _last_line_in(err, path)
-    if line is None and not _out_of_memory(err):  # the crash is in gptlab itself: say so, for a bug report
-        return {"checks": [], "error": f"{shown}: gptlab's checks crashed ({_exception_line(err)}); this is "
-                "a bug in gptlab, please report it with the traceback that --verbose shows",
-                "traceback": "".join(traceback.format_exception(type(err), err, err.__traceback__)),
-                "out_of_memory": False}
-    at = "" if line is None else f" at line {line}"
-    what = "called exit()" if isinstance(err, SystemExit) else f"crashed ({_exception_line(err)})"
-    return _failure(err, path, f"{shown}: the learner's code {what}{at} while being checked")
-
-
-def _failure(err: BaseException | None, path: Path, message: str) -> dict[str, Any]:
-    """The outcome of a file that could not be checked: one line, and the learner's trimmed traceback."""
-    return {"checks": [], "error": message, "traceback": "" if err is None else _learner_traceback(err, path),
-            "out_of_memory": _out_of_memory(err)}
-
-
-def _exception_line(err: BaseException) -> str:
-    """`Type: message`, the message cut to its first line."""
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-
-
-def _last_line_in(err: BaseException, path: Path) -> int | None:
-    """The line of the innermost frame of the learner's file in err's traceback, if any."""
-    lines = [frame.lineno for frame in traceback.extract_tb(err.__traceback__) if frame.filename == str(path)]
-    return lines[-1] if lines else None
-
-
-def _out_of_memory(err: BaseException | None) -> bool:
-    """Whether err, or an exception it was raised from, is an allocation refused by the memory limit."""
-    while err is not None:
-        text = str(err)
-        if isinstance(err, MemoryError) or "can't allocate memory" in text or "not enough memory" in text:
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+atexit.register(stop_server)
 
 
 def _death(path: Path, returncode: int, memory_mb: int) -> str:
@@ -316,8 +305,88 @@ def _child(request: dict[str, Any]) -> None:
     faulthandler.enable()  # a segfault in the learner's extension code still leaves a trace in the output
     torch.set_num_threads(1)  # tiny models: a second thread only adds hand-over time
     outcome = import_and_grade(Path(request["path"]), Names(**request["names"]), request["shown"],
-                               functools.partial(_limit_address_space, request["memory_mb"]))
+                               functools.partial(_limit_address_space, request["memory_mb"]),
+                               bool(request.get("pictures")), bool(request.get("learning", True)))
     Path(request["result"]).write_text(json.dumps(outcome), encoding="utf-8")
+
+
+def _serve(fd: int) -> None:
+    """The check server's loop, on the connection `fd` from its parent: a child forked per request and its
+    exit status sent back; when the parent ends that check (or is gone) its group is killed, then the child
+    reaped: only then, so that its id, which is its group's, is not reused before the kill."""
+    control = socket.socket(fileno=fd)
+    children: dict[socket.socket, int] = {}  # each check's connection -> its child's pid, until reaped
+    running: set[socket.socket] = set()  # the checks whose child has not exited yet
+    while True:
+        for conn in select.select([control, *children], [], [], 0.02 if running else None)[0]:
+            if conn is not control:
+                conn.recv(16)  # "end", or nothing where the parent is gone
+                running.discard(conn)
+                _end(conn, children.pop(conn))
+                continue
+            message, fds, _, _ = socket.recv_fds(control, 1 << 16, 2)
+            if not message:  # the parent is gone, or stopped the server
+                for conn, pid in children.items():
+                    _end(conn, pid)
+                return
+            conn = socket.socket(fileno=fds[0])
+            children[conn] = _fork(json.loads(message), fds[1], [control, *children, conn])
+            running.add(conn)
+        for conn in list(running):
+            info = os.waitid(os.P_PID, children[conn], os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            if info is not None:  # exited, and left unreaped: a zombie holding its id
+                running.discard(conn)
+                status = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                with contextlib.suppress(OSError):
+                    conn.send(str(status).encode())
+
+
+def _end(conn: socket.socket, pid: int) -> None:
+    """SIGKILL the process group of the unreaped child `pid`, reap the child, and close its check's `conn`."""
+    with contextlib.suppress(ProcessLookupError):  # the group is gone already
+        os.killpg(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    conn.close()
+
+
+def _fork(message: dict[str, Any], output: int, inherited: list[socket.socket]) -> int:
+    """Fork the child for `message`, `output` its stdout and stderr; its pid, once it leads a session."""
+    ready, started = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready)
+        os.setsid()
+        os.close(started)  # end-of-file for the server: the child leads its own session and group
+        _forked(message, output, inherited)
+    os.close(started)
+    os.close(output)
+    os.read(ready, 1)
+    os.close(ready)
+    return pid
+
+
+def _forked(message: dict[str, Any], output: int, inherited: list[socket.socket]) -> NoReturn:
+    """The forked child: none of the server's connections, its output to the parent's pipe, the private
+    folder as its working directory, then the child's job, as in a child started with -m."""
+    status = 1
+    try:
+        for conn in inherited:
+            conn.close()
+        for fd in (1, 2):
+            os.dup2(output, fd)
+        os.close(output)
+        os.chdir(message["cwd"])
+        sys.argv = [__file__, json.dumps(message["request"])]
+        sys.modules["__main__"] = sys.modules[__name__]
+        _child(message["request"])
+        status = 0
+    except BaseException:  # as an interpreter would: the traceback in the output, and status 1
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
 
 
 if __name__ == "__main__":
