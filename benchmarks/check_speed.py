@@ -23,11 +23,11 @@ from pathlib import Path
 
 from gptlab.handout.learner.bugs import BUGS, write_bug, write_reference
 
-# Runs `gptlab check` with the way of running files chosen by argv[1] (isolate.FORK_SERVER).
+# Runs `gptlab check` with the way of running files chosen by argv[1] (server.FORK_SERVER).
 RUNNER = """\
 import sys
-from gptlab.handout.learner import isolate
-isolate.FORK_SERVER = sys.argv[1] == "fork"
+from gptlab.handout.learner import server
+server.FORK_SERVER = sys.argv[1] == "fork"
 from gptlab.cli import main
 sys.exit(main(sys.argv[2:]))
 """

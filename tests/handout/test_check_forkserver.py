@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gptlab.cli import main
-from gptlab.handout.learner import bugs, isolate
+from gptlab.handout.learner import bugs, isolate, server
 from gptlab.handout.learner.formats import json_records
 from gptlab.handout.learner.grade import Names
 from gptlab.handout.learner.isolate import FileReport, check_file
@@ -58,12 +58,12 @@ def test_forked_children_give_the_checks_of_fresh_interpreters_without_importing
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     spawned_log, forked_log = tmp_path / "spawned.log", tmp_path / "forked.log"
     files = submissions(tmp_path / "spawned", spawned_log)
-    monkeypatch.setattr(isolate, "FORK_SERVER", False)
+    monkeypatch.setattr(server, "FORK_SERVER", False)
     spawned = json_records([check_file(path, Names(), timeout_s=120) for path in files])
     assert {line.split()[0] for line in spawned_log.read_text().splitlines()} == {str(os.getpid())}
 
     files = submissions(tmp_path / "forked", forked_log)
-    monkeypatch.setattr(isolate, "FORK_SERVER", True)
+    monkeypatch.setattr(server, "FORK_SERVER", True)
     assert main(["check", str(tmp_path / "forked"), "--jobs", "2", "--json", "--timeout", "120"]) == 1
     forked = json.loads(capsys.readouterr().out)
     spawned_dir, forked_dir = str(tmp_path / "spawned"), str(tmp_path / "forked")
@@ -73,8 +73,8 @@ def test_forked_children_give_the_checks_of_fresh_interpreters_without_importing
     # no child imported torch afresh.
     lines = forked_log.read_text().splitlines()
     assert len(lines) == 3 and len(set(lines)) == 1, lines
-    server, its_parent, had_torch = lines[0].split()
-    assert server != str(os.getpid()) and its_parent == str(os.getpid()) and had_torch == "True"
+    forker, its_parent, had_torch = lines[0].split()
+    assert forker != str(os.getpid()) and its_parent == str(os.getpid()) and had_torch == "True"
 
 
 def test_jobs_2_checks_two_at_a_time_and_reports_in_the_files_order(

@@ -83,6 +83,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     write the files asked for."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from gptlab.handout.learner import server
+
+    paths = learner_files(args.files)
+    if server.FORK_SERVER:
+        server.connection()  # started now, its torch import overlaps this process's, just below
     from gptlab.handout.learner.formats import (
         json_records,
         succeeded,
@@ -91,9 +96,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         write_gradescope,
     )
     from gptlab.handout.learner.grade import Names
-    from gptlab.handout.learner.isolate import check_file, stop_server
-
-    paths = learner_files(args.files)
+    from gptlab.handout.learner.isolate import check_file
     if args.timeout <= 0 or args.memory_mb <= 0:
         raise ValueError("--timeout and --memory-mb must be positive")
     if args.jobs < 1:
@@ -111,7 +114,7 @@ def cmd_check(args: argparse.Namespace) -> int:
                 print("\n".join(text_lines(report, args.verbose)), flush=True)
     finally:  # the check server ends with the command; interrupted, running checks are killed now
         pool.shutdown(wait=False, cancel_futures=True)
-        stop_server()
+        server.stop_server()
         pool.shutdown()
     if args.json:
         print("[" + ",\n".join(json.dumps(record, allow_nan=False) for record in json_records(reports)) + "]")

@@ -23,7 +23,6 @@ second or two. The wall-clock limit counts from the start of the file's check, s
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import faulthandler
@@ -48,26 +47,17 @@ from typing import IO, Any, NoReturn
 
 import torch
 
+from gptlab.handout.learner import server
 from gptlab.handout.learner.child import import_and_grade
 from gptlab.handout.learner.grade import Names
 from gptlab.handout.learner.page import Pictures
+from gptlab.handout.learner.server import child_env, connection
 from gptlab.handout.properties import Check, Evidence, judge
 
 MiB = 2**20
 TAIL_BYTES = 8192  # the end of the child's own output kept, for the report of a child that died
 KILLED_HINT = {getattr(signal, name) for name in ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS")
                if hasattr(signal, name)}  # how memory exhaustion ends (Windows has no SIGKILL, no SIGBUS)
-FORK_SERVER = sys.platform == "linux"  # fork children from the check server; else a fresh interpreter each
-# (forking a process that imported torch is unsafe on macOS and impossible on Windows)
-SERVE = """\
-import sys
-if sys.path[:1] == [""]:
-    del sys.path[0]  # import nothing from the folder gptlab check was started in
-from gptlab.handout.learner.isolate import _serve
-_serve(int(sys.argv[1]))
-"""
-_SERVER: dict[str, Any] = {}  # this process's check server: "process" and "control", its connection
-_SERVER_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -93,7 +83,7 @@ def check_file(path: Path, names: Names, timeout_s: float = 60, memory_mb: int =
         request = {"path": str(copy), "shown": str(path), "result": str(result),
                    "names": dataclasses.asdict(names), "memory_mb": memory_mb, "pictures": pictures,
                    "learning": learning}
-        run = _run_forked if FORK_SERVER else _run_child
+        run = _run_forked if server.FORK_SERVER else _run_child
         returncode, timed_out, tail = run(request, copy.parent, timeout_s)
         if timed_out:
             return FileReport(path, [], f"{path}: stopped at the time limit of {timeout_s:g} s: an endless "
@@ -141,7 +131,7 @@ def _run_child(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[in
     killed before it is reaped, so nothing the learner's code started outlives the check."""
     child = subprocess.Popen(
         [sys.executable, "-m", "gptlab.handout.learner.isolate", json.dumps(request)], cwd=cwd,
-        env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         start_new_session=True)
     tail, timed_out = _keep_tail(child.stdout), False
     try:
@@ -181,11 +171,6 @@ def _kill_group(child: subprocess.Popen) -> None:
         pass
 
 
-def _child_env() -> dict[str, str]:
-    """The child's environment: CUDA hidden (before torch's import), matplotlib off-screen, no buffering."""
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
-
-
 def _run_forked(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[int, bool, str]:
     """Run the child on `request` in `cwd`, forked by the check server: its exit status, whether it ran past
     `timeout_s` (counted from now), its last output. However it ends, the server kills its group (_serve)."""
@@ -197,7 +182,7 @@ def _run_forked(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[i
         try:
             try:
                 message = json.dumps({"request": request, "cwd": str(cwd)}).encode()
-                socket.send_fds(_server(), [message], [theirs.fileno(), write])
+                socket.send_fds(connection(), [message], [theirs.fileno(), write])
             finally:
                 theirs.close()
                 os.close(write)
@@ -217,30 +202,6 @@ def _run_forked(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[i
     return returncode, timed_out, tail()
 
 
-def _server() -> socket.socket:
-    """The connection to this process's check server, started on first use (a server that died is replaced):
-    a fresh interpreter with the children's environment that imports torch and the checks, and forks."""
-    with _SERVER_LOCK:
-        if "process" not in _SERVER or _SERVER["process"].poll() is not None:
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            with theirs:
-                process = subprocess.Popen(
-                    [sys.executable, "-c", SERVE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                    env=_child_env(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                    start_new_session=True)
-            _SERVER.update(process=process, control=ours)
-        return _SERVER["control"]
-
-
-def stop_server() -> None:
-    """End this process's check server, if it runs: a check still running is killed, its whole group."""
-    with _SERVER_LOCK:
-        if "process" in _SERVER:
-            _SERVER.pop("control").close()  # the server reads end-of-file, kills every group and ends
-            _SERVER.pop("process").wait()
-
-
-atexit.register(stop_server)
 
 
 def _death(path: Path, returncode: int, memory_mb: int) -> str:
