@@ -70,6 +70,7 @@ class RunLock:
     taken on a descriptor of our own so that the file keeps the owner's process id; the operating system
     releases it when the process ends in any way (kill -9 included), so a stale lock never blocks a later
     run. Windows lets no other process read a locked byte, so the id is written after byte 0 (" 1234").
+    `restore()` leaves the file as it was found when the lock is released: a refusal changes nothing.
     """
 
     NAME = ".lock"
@@ -78,30 +79,96 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.path = run_dir, run_dir / self.NAME
         self.fd: int | None = None
+        self.found: bytes | None = None  # the file's bytes before ours; None: this lock created it
+        self.remove = False  # set by restore(): take away the file this lock created on release
 
     def __enter__(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_BINARY", 0), 0o644)
         try:
-            if not lock_descriptor(fd, blocking=False):
-                raise SettingError(f"{self.run_dir} is in use by another gptlab process (pid "
-                                   f"{self._holder(fd)}): wait for it to finish, or choose another {{out}}",
-                                   out="run_dir")
-            os.ftruncate(fd, 0)
-            os.write(fd, f"{' ' * self.PID_AT}{os.getpid()}\n".encode())
-        except BaseException:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise SettingError(f"cannot create the folder {self.run_dir}: {err.strerror or err}: choose "
+                               "another {out}", out="run_dir") from None
+        while True:  # until the file locked is the one the folder holds (a refusal may remove its own)
+            created, fd = self._open()
+            try:
+                if not lock_descriptor(fd, blocking=False):
+                    raise SettingError(f"{self.run_dir} is in use by another gptlab process (pid "
+                                       f"{self._holder(fd)}): wait for it to finish, or choose another "
+                                       "{out}", out="run_dir")
+                if self._is_named(fd):
+                    self.found = None if created else self._read(fd)
+                    self._write(fd, f"{' ' * self.PID_AT}{os.getpid()}\n".encode())
+                    self.fd = fd
+                    return self
+                unlock_descriptor(fd)
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
-            raise
-        self.fd = fd
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.fd is not None:
             fd, self.fd = self.fd, None
+            removed = self.remove and self._unlink()  # POSIX: under the lock, so no waiter takes the old file
             try:  # closing alone releases it too, but Windows only some time after the handle closes
                 unlock_descriptor(fd)
             finally:
                 os.close(fd)
+            if self.remove and not removed:  # Windows removes no open file; an opener of it keeps it
+                self._unlink()
+
+    def restore(self) -> None:
+        """Put back the file's bytes as found (the previous owner's id), or remove it on release if this
+        lock created it: for a command that refuses, so the folder is left byte for byte as it was."""
+        if self.fd is not None and self.found is not None:
+            self._write(self.fd, self.found)
+        self.remove = self.found is None
+
+    def _open(self) -> tuple[bool, int]:
+        """Whether the file was created now, and a descriptor of it."""
+        flags = os.O_RDWR | getattr(os, "O_BINARY", 0)
+        while True:
+            try:
+                return True, os.open(self.path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                pass
+            try:
+                return False, os.open(self.path, flags)
+            except FileNotFoundError:  # removed between the two opens: create it
+                continue
+
+    def _is_named(self, fd: int) -> bool:
+        """Whether the locked file is still the folder's RUN/.lock (not one a refused run removed)."""
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        held = os.fstat(fd)
+        return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+
+    @staticmethod
+    def _read(fd: int) -> bytes:
+        """All the bytes of the locked file (ours to read: we hold the lock)."""
+        os.lseek(fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(fd, 2**16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    @staticmethod
+    def _write(fd: int, data: bytes) -> None:
+        """Replace the locked file's bytes with `data`."""
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, data)
+
+    def _unlink(self) -> bool:
+        """Remove the lock file; False where the platform refused (Windows, while a handle is open)."""
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            return False
+        return True
 
     def _holder(self, fd: int) -> str:
         """The process id the lock's owner wrote, or "unknown" while it has not yet written it."""

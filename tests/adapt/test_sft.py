@@ -199,5 +199,5 @@ def test_a_line_that_is_not_utf8_is_named_by_file_and_line(bpe: BPETokenizer, tm
     path.write_bytes(b'{"prompt": "Hello", "completion": " there"}\n'
                      b'{"prompt": "caf\xe9", "completion": "b"}\n')
     reason = re.escape("not UTF-8 (byte 0xe9 at column 16)")
-    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:2: {reason}$"):
+    with pytest.raises(ValueError, match=f"^{re.escape(str(path))}:2: {reason}: convert it to UTF-8"):
         load_examples(path, bpe, NativeTemplate(), 64)

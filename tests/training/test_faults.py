@@ -148,7 +148,7 @@ def test_a_folder_that_is_not_a_run_is_left_alone(data_dir: Path, tmp_path: Path
     (mine / "metrics.csv").write_text("my,own,numbers\n")
     one_line_error(capsys, ["train", "--data", str(data_dir), "--out", str(mine), "--preset", "tiny",
                             "--no-progress"], f"{mine} is not empty and is not a gptlab run folder")
-    assert sorted(p.name for p in mine.iterdir()) == [".lock", "config.json", "metrics.csv"]
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "metrics.csv"]  # no lock left either
     assert (mine / "config.json").read_text() == '{"theme": "dark"}'
     assert (mine / "metrics.csv").read_text() == "my,own,numbers\n"
 

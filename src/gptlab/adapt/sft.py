@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from gptlab.adapt.options import LOSS_ON, TOO_LONG
+from gptlab.data.corpora import iconv_hint
 from gptlab.text.chat_template import ROLES, ChatTemplate
 from gptlab.text.tokenizer import Tokenizer
 
@@ -79,7 +80,11 @@ def read_records(path: str | Path) -> tuple[str, list[tuple[int, dict[str, Any]]
     """The file's shape and its (line number, record) pairs; bad data is one ValueError naming file:line."""
     path = Path(path)
     shape, first, records = None, 0, []
-    with path.open("rb") as lines:  # bytes, so that a line that is not UTF-8 is named by its number
+    try:
+        lines = path.open("rb")  # bytes, so that a line that is not UTF-8 is named by its number
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err.strerror or err}") from None
+    with lines:
         for number, raw in enumerate(lines, start=1):
             if not raw.strip():
                 continue  # blank lines, such as a trailing one, hold no example
@@ -89,7 +94,8 @@ def read_records(path: str | Path) -> tuple[str, list[tuple[int, dict[str, Any]]
                 this = record_shape(record)
             except ValueError as err:
                 reason = (f"not JSON ({err.msg})" if isinstance(err, json.JSONDecodeError)
-                          else f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1})"
+                          else f"not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}): convert "
+                          f"it to UTF-8, {iconv_hint(path)}"
                           if isinstance(err, UnicodeDecodeError) else str(err))
                 raise ValueError(f"{path}:{number}: {reason}") from None
             if shape is None:

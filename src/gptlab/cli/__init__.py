@@ -7,12 +7,14 @@ become one `gptlab: error: ...` line and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
 from types import FrameType
+from typing import Any
 
 from gptlab.cli.adapt import add_adapt_commands
 from gptlab.cli.chat import add_chat_command
@@ -32,13 +34,55 @@ from gptlab.config import SettingError
 EXIT_USAGE = 2
 
 
+class Version(argparse.Action):
+    """`gptlab --version`: the installed version (pyproject's, which is gptlab.__version__), looked up only
+    when asked, since importing importlib.metadata costs every other command some 30 ms."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        from importlib.metadata import version
+
+        print(f"{parser.prog} {version('gptlab')}")
+        parser.exit()
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: it refuses an argument it does not know itself, in one line naming its options,
+    where argparse would hand it up to the top-level parser and print gptlab's usage instead."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's parsing, with exit status 2 and one line when an argument is left unknown."""
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.exit(EXIT_USAGE, f"{self.prog}: error: unrecognized arguments: {' '.join(extra)} "
+                      f"({self.known_options(extra)})\n")
+        return parsed, extra
+
+    def known_options(self, extra: list[str]) -> str:
+        """The options close to the `extra` ones, else all of them when they are few, else where they are."""
+        options = [o for action in self._actions for o in action.option_strings if o not in ("-h", "--help")]
+        words = [word.split("=", 1)[0] for word in extra if word.startswith("-")]
+        close = [m for word in words for m in difflib.get_close_matches(word, options, n=1, cutoff=0.75)]
+        if close:
+            return f"did you mean {', '.join(close)}?"
+        if not options:
+            return f"{self.prog} takes no options, only --help"
+        if len(options) <= 6:
+            return f"{self.prog} takes {', '.join(options)}"
+        return f"`{self.prog} --help` lists its options"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gptlab",
         description="Small Transformer language models (and encoder-decoders), verified against handout #11.",
         epilog="Start with `gptlab lab` to see the handout's numbers reproduced by the library.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("--version", action=Version, help="print gptlab's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=CommandParser)
     add_model_commands(sub)
     add_prepare_command(sub)
     add_train_commands(sub)
@@ -63,6 +107,14 @@ def terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated
 
 
+def error_line(err: BaseException) -> str:
+    """A user's error as one line: an OS error names its file (or files) and its reason, no [Errno N]."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        files = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else str(err.filename)
+        return f"{files}: {err.strerror}"
+    return str(err)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `gptlab` console command: 0 done, 2 a user mistake, 130 Ctrl-C, 143 SIGTERM."""
     args = build_parser().parse_args(argv)
@@ -76,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gptlab: error: {err.as_flags(ARGUMENT_FLAGS)}", file=sys.stderr)
         return EXIT_USAGE
     except (ValueError, OSError) as err:
-        print(f"gptlab: error: {err}", file=sys.stderr)
+        print(f"gptlab: error: {error_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except Terminated:
         print("gptlab: terminated", file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import tempfile
 from typing import Any
 
 from gptlab.cli.common import config_overrides
@@ -24,9 +25,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
     seeds = parse_seeds(args.seeds)
     if args.dry_run:
         jobs, threads = share_cores(args.jobs)
-        for line in describe(plan(options, varies, seeds, args.out, args.baseline), jobs, threads):
-            print(line)
+        with tempfile.TemporaryDirectory() as nowhere:  # a dry run writes nothing: an --out only names runs
+            grid = plan(options, varies, seeds, args.out or nowhere, args.baseline)
+            for line in describe(grid, jobs, threads):
+                print(line)
         return 0
+    if args.out is None:
+        raise ValueError("compare needs --out FOLDER to train into (only --dry-run goes without)")
     command = shlex.join(["gptlab", *sys.argv[1:]]) if sys.argv[1:2] == ["compare"] else ""
     result = compare(options, varies, seeds, args.out, jobs=args.jobs, baseline=args.baseline,
                      progress=not args.no_progress, command=command, spell=cli_spelling)
@@ -87,8 +92,8 @@ def add_compare_command(sub: Any) -> None:
                      "lr=3e-3,6e-3; repeat for a product of several")
     cmp.add_argument("--seeds", default="3", metavar="N", help="train each cell with seeds 1..N, or with "
                      "the seeds listed (1,5,9) (default 3)")
-    cmp.add_argument("--out", required=True, help="folder of the comparison (created; the same --out "
-                     "continues it)")
+    cmp.add_argument("--out", help="folder of the comparison (created; the same --out continues it); "
+                     "required except with --dry-run")
     cmp.add_argument("--jobs", type=int, metavar="N", help="runs trained at once, the cores shared among "
                      "them (default: one per core, one thread each)")
     cmp.add_argument("--baseline", metavar="CELL", help="the cell the others are compared with, by name "

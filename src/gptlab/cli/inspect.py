@@ -29,6 +29,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix.lower() not in (".png", ".html"):
         raise ValueError(f"--out {args.out} must end in .png (a picture) or .html (an interactive page)")
+    if out.exists() and not args.force:
+        raise ValueError(f"--out {out} exists: pass --force to replace it")
     if checkpoint_architecture(args.run) == "encoder-decoder":
         return draw_cross_attention(args, out)
     model, tokenizer, ids = load_prompt(args)
@@ -310,6 +312,8 @@ def add_attention_command(sub: Any) -> None:
                  "(gptlab seq2seq train), --prompt is the source and FILE.png shows cross-attention: rows "
                  "are the answer's tokens, columns the source's.")
     at.add_argument("--out", required=True, metavar="FILE.png|FILE.html", help="the picture or page to write")
+    at.add_argument("--force", action="store_true",
+                    help="replace --out if it exists (it is refused otherwise)")
     at.add_argument("--layer", type=int, help="draw only this layer (default: all)")
     at.add_argument("--head", type=int, help="draw only this head (default: all)")
     at.set_defaults(func=cmd_attention)

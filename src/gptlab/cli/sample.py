@@ -65,8 +65,9 @@ def cmd_sample(args: argparse.Namespace) -> int:
     `gptlab sample`'s.
     """
     from gptlab.checkpoint import generation_defaults
+    from gptlab.data.corpora import read_utf8
 
-    prompt = args.prompt if args.prompt_file is None else Path(args.prompt_file).read_text(encoding="utf-8")
+    prompt = args.prompt if args.prompt_file is None else read_utf8(args.prompt_file)
     sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **generation_defaults(args.run),
                                          **config_overrides(args, SamplingConfig)})
     print_samples(args.run, prompt, args.num_samples, sampling, device=args.device, use_cache=args.use_cache,

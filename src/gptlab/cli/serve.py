@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import socket
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.common import add_device_option, add_weight_options
@@ -40,11 +41,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     served = app_for_run(args.run, args.device, args.dtype, args.quantize, api_key=api_key,
                          max_batch=args.max_batch, limits=limits, allowed_hosts=allowed)
-    sock = listen(args.host, args.port)
+    sock = bind(listen, args.host, args.port)
     announce(args.run, served, sock, api_key is not None, allowed)
     run_app(served.app, sock)
     print("stopped", flush=True)
     return 0
+
+
+def bind(listen: Callable[[str, int], socket.socket], host: str, port: int) -> socket.socket:
+    """`listen(host, port)`, a busy or forbidden port being one line that says what to do."""
+    try:
+        return listen(host, port)
+    except OSError as err:
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} is in use: pick another with --port (or 0 for a free "
+                             "one)") from None
+        if err.errno == errno.EACCES:
+            raise ValueError(f"port {port} needs privileges on this machine: pick one above 1023 with "
+                             "--port") from None
+        raise ValueError(f"cannot listen on {host} port {port}: {err.strerror or err} (check --host and "
+                         "--port)") from None
 
 
 def announce(run: str, served: ServedRun, sock: socket.socket, keyed: bool,

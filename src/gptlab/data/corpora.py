@@ -12,6 +12,7 @@ repeated, for the `induction` preset (see `repeats_text`).
 
 from __future__ import annotations
 
+import difflib
 import glob
 import hashlib
 import http.client
@@ -108,8 +109,10 @@ def _user_files(source: str) -> tuple[list[Path], bool]:
                 f"the pattern {source!r} matches no file: check the pattern (quote it in the shell)"
             )
         return files, False
+    close = difflib.get_close_matches(source, CORPORA, n=1)
+    hint = f": did you mean {close[0]}?" if close else ""
     raise FileNotFoundError(
-        f"no such file or folder: {source} (give a text file, a folder, a glob pattern, "
+        f"no such file or folder: {source}{hint} (give a text file, a folder, a glob pattern, "
         f"or a corpus: {', '.join(CORPORA)})"
     )
 
@@ -139,6 +142,24 @@ def _read_bytes(path: Path) -> bytes:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
+def read_utf8(path: str | Path) -> str:
+    """The text of a UTF-8 file the user named, exactly; a missing or unreadable file, or a byte that is
+    not UTF-8, is one ValueError naming the file (and the line and column of the byte)."""
+    path = Path(path)
+    data = _read_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line, line_start = data.count(b"\n", 0, err.start) + 1, data.rfind(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 (byte 0x{data[err.start]:02x} at column "
+                         f"{err.start - line_start + 1}): convert it to UTF-8, {iconv_hint(path)}") from None
+
+
+def iconv_hint(path: Path) -> str:
+    """How to convert a Latin-1 file to UTF-8 beside it, as a shell command."""
+    return f"for example `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`"
+
+
 def _is_binary(data: bytes) -> bool:
     """Text files never hold NUL bytes; nearly all binary formats do, early on."""
     return b"\0" in data[:BINARY_PROBE]
@@ -160,7 +181,7 @@ def _decode(path: Path, data: bytes) -> str:
     if bad > MAX_BAD_BYTES * len(data):
         raise ValueError(
             f"{path} is not UTF-8 text ({bad} of {len(data)} bytes undecodable): convert it to UTF-8, "
-            f"for example `iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8{path.suffix}`"
+            f"{iconv_hint(path)}"
         )
     warnings.warn(f"{path}: replaced {bad} byte(s) that are not UTF-8 with U+FFFD", stacklevel=2)
     return text

@@ -9,6 +9,7 @@ prompts (e.g. "Question: ... Answer:" for ARC), so scores compare with OLMES fig
 
 from __future__ import annotations
 
+import difflib
 import gzip
 import importlib.metadata
 import json
@@ -76,7 +77,10 @@ def resolve(task: str, variant: str | None = None, shots: int | None = None) -> 
     `shots` examples (default 0), else LAMBADA's bpb_0shot."""
     folders = task_folders()
     if task not in folders:
-        raise ValueError(f"no task {task!r} in {PACKAGE}: gptlab eval --list shows the {len(folders)} there")
+        close = difflib.get_close_matches(task, folders, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(f"no task {task!r} in {PACKAGE}: {hint}gptlab eval --list shows the {len(folders)} "
+                         "there")
     if variant is None:
         default = DEFAULT_VARIANTS.get(task, "rc_0shot")
         variant = default if shots is None else default.replace("_0shot", f"_{shots}shot")

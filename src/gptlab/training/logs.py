@@ -2,7 +2,7 @@
 
 `metrics.csv` holds a row per evaluation (MetricsLog) and `steps.csv` a row per optimiser step (see
 gptlab.training.sinks); `loss.png` draws both: every step's training loss, raw and smoothed, under the
-evaluations.
+evaluations, the y-axis cut to the later losses and the best validation point marked.
 """
 
 from __future__ import annotations
@@ -10,10 +10,18 @@ from __future__ import annotations
 import csv
 import io
 import itertools
+import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gptlab.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+Point = tuple[int, float]  # (step, loss)
 
 
 class CsvLog:
@@ -68,10 +76,34 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
+def loss_limits(noisy: Sequence[Point], evaluated: Sequence[Point]) -> tuple[float, float]:
+    """The y-range of (step, loss) points: the lowest loss to the later half's highest (the 95th percentile
+    of the `noisy` per-step ones), with as much room above; the steep start goes off the top."""
+    half = max(step for step, _ in (*noisy, *evaluated)) / 2
+    late_noisy = sorted(loss for step, loss in noisy if step >= half)
+    late = [loss for step, loss in evaluated if step >= half]
+    if late_noisy:
+        late.append(late_noisy[int(0.95 * (len(late_noisy) - 1))])
+    low, high = min(loss for _, loss in (*noisy, *evaluated)), max(late)
+    span = max(high - low, 0.05)
+    return low - 0.1 * span, high + span
+
+
 def plot_losses(metrics_csv: Path, png: Path, title: str, steps_csv: Path | None = None) -> None:
-    """Draw the losses against step into `png` (headless, matplotlib's Agg backend): the evaluations'
-    train and validation points from `metrics_csv`, over every step's training loss from `steps_csv`
-    (raw, faint, and smoothed) when there is one."""
+    """Draw the losses against step into `png` (headless, matplotlib's Agg backend); see loss_figure."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(metrics_csv, title, steps_csv)
+    tmp = png.with_name(f".{png.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(png)
+
+
+def loss_figure(metrics_csv: Path, title: str, steps_csv: Path | None = None) -> Figure:
+    """The evaluations' train and validation points from `metrics_csv`, over every step's training loss
+    from `steps_csv` (raw, faint, and smoothed) when there is one; the best validation point marked, the
+    y-axis cut to the later losses (loss_limits) and the legend under the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,27 +111,48 @@ def plot_losses(metrics_csv: Path, png: Path, title: str, steps_csv: Path | None
 
     rows = read_rows(metrics_csv)
     steps = [int(r["step"]) for r in rows]
+    val = [float(r["val_loss"]) for r in rows]
     logged = [r for r in read_rows(steps_csv) if r["loss"]] if steps_csv is not None else []
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    x, loss = [int(r["step"]) for r in logged], [float(r["loss"]) for r in logged]
+    fig, ax = plt.subplots(figsize=(7, 4.6), dpi=110, layout="constrained")
     if logged:
-        x, loss = [int(r["step"]) for r in logged], [float(r["loss"]) for r in logged]
         radius = max(len(loss) // 100, 1)  # windows of about 2% of the run: the noise goes, the bends stay
         ax.plot(x, loss, color="tab:blue", linewidth=0.7, alpha=0.3, label="training loss of each step")
         ax.plot(x, smoothed(loss, radius), color="tab:blue", linewidth=1.5,
                 label=f"the same, smoothed (centred mean of {2 * radius + 1} steps)")
     # The evaluations score the same sampled windows each time, so their points compare across steps.
-    ax.plot(steps, [float(r["train_loss"]) for r in rows], color="tab:blue", marker="o", markersize=6,
-            markerfacecolor="white", markeredgewidth=1.5, linestyle="none" if logged else "-", zorder=3,
+    train_points = [float(r["train_loss"]) for r in rows]
+    ax.plot(steps, train_points, color="tab:blue", marker="o", markersize=6, markerfacecolor="white",
+            markeredgewidth=1.5, linestyle="none" if logged else "-", zorder=3,
             label="train split (evaluation)")
-    ax.plot(steps, [float(r["val_loss"]) for r in rows], color="tab:orange", marker="o", markersize=5,
-            linewidth=1.5, zorder=3, label="validation split (evaluation)")
+    ax.plot(steps, val, color="tab:orange", marker="o", markersize=5, linewidth=1.5, zorder=3,
+            label="validation split (evaluation)")
+    frame(ax, list(zip(x, loss, strict=True)),
+          [*zip(steps, train_points, strict=True), *zip(steps, val, strict=True)])
+    scored = [i for i, v in enumerate(val) if math.isfinite(v)]
+    if scored:
+        best = min(scored, key=val.__getitem__)
+        ax.annotate(f"best val {val[best]:.4f} (step {steps[best]:,})", (steps[best], val[best]),
+                    xytext=(-12, 28), textcoords="offset points", ha="right", fontsize="small",
+                    arrowprops={"arrowstyle": "->", "color": "tab:orange"}, zorder=4)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats per token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(png)
+    fig.legend(loc="outside lower center", ncols=2, fontsize="small", frameon=False)
+    return fig
+
+
+def frame(ax: Axes, noisy: list[Point], evaluated: list[Point]) -> None:
+    """Set the y-range of loss_limits over the finite losses, saying in a corner how high the ones cut off
+    at the top went."""
+    noisy = [point for point in noisy if math.isfinite(point[1])]
+    evaluated = [point for point in evaluated if math.isfinite(point[1])]
+    if not noisy and not evaluated:
+        return
+    bottom, top = loss_limits(noisy, evaluated)
+    ax.set_ylim(bottom, top)
+    highest = max(loss for _, loss in (*noisy, *evaluated))
+    if highest > top:
+        ax.text(0.99, 0.97, f"cut at {top:.2f}: the first losses, up to {highest:.2f}, are off the top",
+                transform=ax.transAxes, ha="right", va="top", fontsize="small", color="dimgray")

@@ -62,20 +62,22 @@ def run_folder(run_dir: Path, new: bool, redoes: Callable[[Path], bool] | None =
     Under the lock: a new run refuses a folder holding a run, a model or other files (`redoes` may accept
     a model the same command wrote before), temporary files that a killed save left are removed, and a
     new run that fails before its first checkpoint takes its folder away again, so nothing half-written
-    is left.
+    is left. A command that refuses or fails leaves the lock file as it found it (or none, as it found
+    none), so a refused folder is byte for byte what it was.
     """
     if not distributed.this_process().is_main:
         yield
         return
     created = not run_dir.exists()
-    with RunLock(run_dir):
-        if new:
-            check_new_run(run_dir, redoes)
-        remove_stale_temporaries(run_dir)
-        sharded.remove_unnamed(run_dir)  # sharded saves a kill interrupted
+    with RunLock(run_dir) as lock:
         try:
+            if new:
+                check_new_run(run_dir, redoes)
+            remove_stale_temporaries(run_dir)
+            sharded.remove_unnamed(run_dir)  # sharded saves a kill interrupted
             yield
         except BaseException:
+            lock.restore()
             if created and not has_checkpoint(run_dir, LAST):
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
