@@ -14,9 +14,11 @@ $(BIN)/gptlab: pyproject.toml constraints.txt
 	touch $@
 
 # Trains the `demo` preset on Shakespeare (about three minutes on a 2-core CPU), evaluates it,
-# writes the loss plot and prints samples. Each run gets its own folder, so nothing is overwritten.
+# writes the loss plot and prints samples. Each run gets its own folder, so nothing is overwritten;
+# the link runs/demo points at the latest finished one, and the last lines print its real path and
+# three commands to paste next (sample, eval, serve on runs/demo).
 demo: $(BIN)/gptlab
-	$(BIN)/gptlab train --preset demo --data shakespeare --out runs/demo-$$(date +%Y%m%d-%H%M%S)
+	$(BIN)/gptlab train --preset demo --data shakespeare --out runs/demo-$$(date +%Y%m%d-%H%M%S) --link runs/demo
 
 lab: $(BIN)/gptlab
 	$(BIN)/gptlab lab

@@ -18,6 +18,7 @@ What a fine-tuned run records in its checkpoint state, beside the training count
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,7 @@ from gptlab.training.runs import (
 )
 
 KEPT = ("base", "chat_template", "generation", ADAPTER)  # the state keys a run keeps (module docstring)
+log = logging.getLogger("gptlab.adapt.finetune")
 
 
 def file_digest(path: str | Path) -> str:
@@ -132,6 +134,20 @@ class SFTData:
             total += int(scored.sum())
         return {"val_token_accuracy": right / total}
 
+    def describe(self) -> str:
+        """One line: the examples kept and why any were not, and the train/validation split."""
+        return (f"data: {self.summary}; {len(self.splits['train'])} train and {len(self.splits['val'])} "
+                "validation examples")
+
+
+def announce(data: SFTData, notes: list[str]) -> None:
+    """Log the notes and the data summary before step 0 (the main process only), so that a user sees
+    what was skipped, and the option that keeps it, before spending the training time."""
+    if distributed.this_process().is_main:
+        for note in notes:
+            log.info(f"note: {note}")
+        log.info(data.describe())
+
 
 # ---------------------------------------------------------------------------------------------
 # Starting and resuming a fine-tuning run
@@ -181,7 +197,7 @@ def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config:
              lora: LoraConfig | None = None, stop_at: int | None = None,
              progress: bool = True) -> tuple[TrainResult, SFTData, list[str]]:
     """Fine-tune the run `base` on `config.data` into the new run `out` (with LoRA adapters if `lora`):
-    the result, the data source (its summary says what was kept) and notes for the user."""
+    the result, the data source and the notes for the user (both logged before step 0)."""
     out, start = Path(out), base_checkpoint(base)
     config = config.replace(data=str(Path(config.data).resolve()))
     model, tokenizer, template, notes = prepare_model(start, config.data, lora, train_config.seed)
@@ -193,6 +209,7 @@ def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config:
                            "config": lora.to_dict()}
     data = SFTData(config, tokenizer, template, model.config.block_size, record)
     with run_folder(out, new=True), distributed.session(train_config.device) as (dist, device):
+        announce(data, notes)
         train_config, machine_record = decide_for_machine(model.config, train_config, dist, device)
         if dist.is_main:
             write_run_config(out, model.config, train_config, data, machine_record)
@@ -236,6 +253,7 @@ def resume_finetune(base: str | Path, out: str | Path, config: SFTConfig, train_
         data = SFTData(saved, checkpoint.load_tokenizer(), template_from_state(state),
                        checkpoint.model_config.block_size, record)
         model = checkpoint.build_gpt() if ADAPTER in state else None  # the base with the saved adapters
+        announce(data, [])
         with distributed.session(train_config.device) as (dist, device):
             if train_config != checkpoint.train_config and dist.is_main:
                 write_run_config(out, checkpoint.model_config, train_config, data, saved_machine(out))

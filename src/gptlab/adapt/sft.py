@@ -54,7 +54,9 @@ class FineTuneData:
     examples: list[Example]
     shape: str
     lines: int  # examples read from the file
+    context: int  # tokens an example may hold: block_size + 1
     skipped_too_long: int = 0
+    longest: int = 0  # tokens of the longest example, when one was skipped as too long
     truncated: int = 0
     skipped_untrained: int = 0  # truncated so far that no trained token was left
     counts: dict[str, int] = field(default_factory=dict)  # "trained" and "untrained" tokens, kept examples
@@ -64,9 +66,11 @@ class FineTuneData:
         parts = [f"{len(self.examples)} of {self.lines} examples ({self.shape})",
                  f"{self.counts['trained']:,} trained and {self.counts['untrained']:,} untrained tokens"]
         if self.skipped_too_long:
-            parts.append(f"{self.skipped_too_long} skipped as longer than the context")
+            parts.append(f"{self.skipped_too_long} skipped as longer than the context of {self.context} "
+                         f"tokens (the longest has {self.longest}; --too-long truncate keeps them, cut to "
+                         "fit)")
         if self.truncated:
-            parts.append(f"{self.truncated} truncated to the context")
+            parts.append(f"{self.truncated} truncated to the context of {self.context} tokens")
         if self.skipped_untrained:
             parts.append(f"{self.skipped_untrained} skipped with nothing left to train after truncation")
         return ", ".join(parts)
@@ -229,7 +233,7 @@ def load_examples(path: str | Path, tokenizer: Tokenizer, template: ChatTemplate
         raise ValueError(f"loss_on={loss_on!r}, too_long={too_long!r}: choose loss_on among "
                          f"{', '.join(LOSS_ON)} and too_long among {', '.join(TOO_LONG)}")
     shape, records = read_records(path)
-    data = FineTuneData([], shape, len(records))
+    data = FineTuneData([], shape, len(records), block_size + 1)
     for line, record in records:
         try:
             example = build_example(record, shape, tokenizer, template, loss_on, line)
@@ -238,6 +242,7 @@ def load_examples(path: str | Path, tokenizer: Tokenizer, template: ChatTemplate
         if len(example.ids) > block_size + 1:
             if too_long == "skip":
                 data.skipped_too_long += 1
+                data.longest = max(data.longest, len(example.ids))
                 continue
             data.truncated += 1
             example.ids, example.trained = example.ids[:block_size + 1], example.trained[:block_size + 1]

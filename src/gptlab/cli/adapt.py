@@ -77,19 +77,15 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if repeated and "sft" in load_header(args.out, prefer=LAST).state:
         print(f"note: {args.out} already holds a fine-tuning run: continuing it, as --resume would")
     if args.resume or repeated:
-        result, data, notes = resume_finetune(args.base, args.out, sft, train_overrides, lora, args.stop_at,
-                                              progress)
+        result, _, _ = resume_finetune(args.base, args.out, sft, train_overrides, lora, args.stop_at,
+                                       progress)
     else:
         settings = {**DEFAULTS, **({"lr": LORA_LR} if lora else {}), **train_overrides}
         settings.setdefault("min_lr", settings["lr"] / 10)
-        result, data, notes = finetune(args.base, args.out, sft, TrainConfig.from_dict(settings), lora,
-                                       args.stop_at, progress)
+        result, _, _ = finetune(args.base, args.out, sft, TrainConfig.from_dict(settings), lora, args.stop_at,
+                                progress)
     if not distributed.this_process().is_main:
         return result.exit_status
-    for note in notes:
-        print(f"note: {note}")
-    print(f"data: {data.summary}; {len(data.splits['train'])} train and {len(data.splits['val'])} "
-          "validation examples")
     report_run(result, Path(args.out))
     return result.exit_status
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +32,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
                              "--tasks piqa")
         from gptlab.evaluation.heldout import evaluation_line
 
+        bar, announce = progress_modes(args)
         print(evaluation_line(args.run, args.data, args.max_tokens, dtype=args.dtype, quantize=args.quantize,
-                              device=args.device))
+                              device=args.device, progress=bar, announce=announce))
         return 0
     print(benchmark_report(args))
     return 0
+
+
+def progress_modes(args: argparse.Namespace) -> tuple[bool, Callable[[str], None] | None]:
+    """Whether to draw progress bars (on a terminal) and where a line per stage goes instead (stderr, off
+    a terminal, so that stdout keeps only the results); neither with --no-progress."""
+    from gptlab.common import on_terminal
+
+    if args.no_progress:
+        return False, None
+    if on_terminal():
+        return True, None
+    return False, lambda line: print(line, file=sys.stderr, flush=True)
 
 
 def benchmark_list() -> str:
@@ -52,7 +67,7 @@ def benchmark_list() -> str:
 def benchmark_report(args: argparse.Namespace) -> str:
     """Score the --tasks on the run's model, write lm-eval's JSON layout to --output, and return a table."""
     from gptlab.checkpoint import load_for_inference
-    from gptlab.common import on_terminal, resolve_device
+    from gptlab.common import resolve_device
     from gptlab.evaluation.results import evaluate_benchmarks, lm_eval_layout, table
 
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
@@ -60,8 +75,9 @@ def benchmark_report(args: argparse.Namespace) -> str:
         raise ValueError("--tasks is empty: name one or more tasks, e.g. --tasks hellaswag,piqa (see --list)")
     model, tokenizer = load_for_inference(args.run, resolve_device(args.device), args.dtype, args.quantize)
     batch_size = args.batch_size or BENCHMARK_BATCH
+    bar, announce = progress_modes(args)
     results, refused = evaluate_benchmarks(model, tokenizer, names, args.variant, args.shots, args.limit,
-                                           batch_size, progress=on_terminal())
+                                           batch_size, progress=bar, announce=announce)
     if args.output:
         settings = {"batch_size": batch_size, "device": args.device, "dtype": args.dtype,
                     "quantize": args.quantize, "limit": args.limit}
@@ -100,6 +116,8 @@ def add_eval_command(sub: Any) -> None:
     bench.add_argument("--batch-size", type=int,
                        help=f"requests per forward pass (default {BENCHMARK_BATCH})")
     bench.add_argument("--output", metavar="FILE.json", help="write the results in lm-eval's JSON layout")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal, and no line "
+                    "per stage elsewhere")
     add_device_option(ev)
     add_weight_options(ev)
     ev.set_defaults(func=cmd_eval)

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -87,7 +90,46 @@ def cmd_train(args: argparse.Namespace) -> int:
         return result.exit_status
     if args.samples:
         print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu")
+    if args.link:
+        print_next_commands(out, Path(args.link))
     return 0
+
+
+def print_next_commands(out: Path, link: Path) -> None:
+    """Point `link` at the finished run, then print the run's real path and three commands that work on it
+    as printed: on `link` when it points there, else on the run's own folder."""
+    from gptlab.checkpoint import load_header
+    from gptlab.training.runs import point_link
+
+    why_not = point_link(link, out)
+    where = out if why_not else link
+    shown = f" ({link} points to it)" if not why_not and link.absolute() != out.absolute() else ""
+    print(f"\nthe run: {out.resolve()}{shown}" + (f"\nnote: {why_not}" if why_not else ""))
+    try:
+        load_header(out).load_tokenizer().encode("ROMEO:")
+        prompt = ["--prompt", "ROMEO:"]
+    except ValueError:  # a text without those characters: the default prompt, a newline
+        prompt = []
+    program = gptlab_program()
+    print("next (as printed, from this folder):")
+    for command in (["sample", str(where), *prompt], ["eval", str(where)], ["serve", str(where)]):
+        print("  " + " ".join([program, shlex.join(command)]))
+
+
+def gptlab_program() -> str:
+    """How to call this gptlab as printed: `gptlab` when it is the one on PATH, else this environment's
+    script (relative to the working folder when inside it), else `python -m gptlab`."""
+    script = shutil.which("gptlab", path=str(Path(sys.executable).parent))
+    if script is None:
+        return shlex.join([sys.executable, "-m", "gptlab"])
+    on_path = shutil.which("gptlab")
+    if on_path and Path(on_path).resolve() == Path(script).resolve():
+        return "gptlab"
+    try:
+        relative = Path(script).relative_to(Path.cwd())
+    except ValueError:
+        return shlex.quote(script)
+    return shlex.quote(str(relative) if len(relative.parts) > 1 else f"./{relative}")  # a slash: not PATH's
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
@@ -136,6 +178,9 @@ def add_train_commands(sub: Any) -> None:
     tr.add_argument("--init-from", metavar="RUN", help="fine-tune: start from this run's (or an imported "
                     "model's) weights and architecture, tokenizing --data with its tokenizer")
     tr.add_argument("--samples", type=int, default=2, help="samples printed after training (default 2)")
+    tr.add_argument("--link", metavar="PATH", help="when the run finishes, point the symlink PATH at it "
+                    "(replacing an older link at once), then print the run's path and the next commands on "
+                    "PATH (make demo keeps runs/demo so)")
     add_train_options(tr, data_help=", or a prepared folder (default shakespeare); with --resume, the run's "
                       "prepared folder if it was moved")
     tr.set_defaults(func=cmd_train)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from gptlab.checkpoint import data_folder, load_for_inference, load_header
 from gptlab.common import autocast, resolve_device
@@ -46,8 +48,10 @@ def evaluate_tokens(
     batch_size: int = 16,
     max_tokens: int | None = None,
     dtype: torch.dtype = torch.float32,
+    progress: bool = False,
 ) -> Evaluation:
-    """Score every token of `tokens` (after the first) once, in consecutive block_size windows."""
+    """Score every token of `tokens` (after the first) once, in consecutive block_size windows; with
+    `progress`, behind a bar of the batches done."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be at least 1 (leave it out to score every token)")
     block = model.config.block_size
@@ -64,7 +68,9 @@ def evaluate_tokens(
     was_training = model.training
     model.eval()
     total = 0.0
-    for start in range(0, n_windows, batch_size):
+    batches = tqdm(range(0, n_windows, batch_size), disable=not progress, unit="batch", dynamic_ncols=True,
+                   leave=False)
+    for start in batches:
         xb, yb = x[start : start + batch_size].to(device), y[start : start + batch_size].to(device)
         with autocast(device, dtype):
             _, loss = model(xb, yb)
@@ -74,10 +80,11 @@ def evaluate_tokens(
 
 
 def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: str = "float32",
-                    quantize: str = "none", device: str = "cpu") -> str:
+                    quantize: str = "none", device: str = "cpu", progress: bool = False,
+                    announce: Callable[[str], None] | None = None) -> str:
     """Evaluate a run's best checkpoint on `data` (train, val, a prepared folder's val split, or any
     text) on `device`, its weights held as `dtype` and `quantize` say (gptlab.quantize), and describe
-    the result in one line."""
+    the result in one line; `progress` draws a bar of the batches, `announce` is given a line before them."""
     model, tokenizer = load_for_inference(run, resolve_device(device), dtype, quantize)
     checkpoint = load_header(run)
     if data in ("train", "val") or (Path(data) / "meta.json").is_file():
@@ -96,7 +103,11 @@ def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: s
         tokens = tokenizer.encode_array(text)
         characters = len(text)
         name = data
-    result = evaluate_tokens(model, tokens, max_tokens=max_tokens)
+    block = model.config.block_size
+    windows = (len(tokens) - 1 if max_tokens is None else min(len(tokens) - 1, max_tokens)) // block
+    if announce is not None and windows > 0:  # else evaluate_tokens refuses the text or max_tokens
+        announce(f"scoring {name}: {windows * block:,} tokens in {windows:,} windows of {block}")
+    result = evaluate_tokens(model, tokens, max_tokens=max_tokens, progress=progress)
     if characters:  # scale to the characters actually scored
         scored = round(characters * result.tokens / max(1, len(tokens) - 1))
         result = dataclasses.replace(result, characters=scored)

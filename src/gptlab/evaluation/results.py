@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +41,10 @@ def encodable(tokenizer: Tokenizer, document: Document, block_size: int) -> list
     return pairs if all(0 < len(continuation) <= block_size for _, continuation in pairs) else []
 
 
-def run_task(model: GPT, tokenizer: Tokenizer, task: Task, batch_size: int = 16,
-             progress: bool = False) -> TaskResult:
-    """Score every document of `task`; ValueError if the tokenizer can encode fewer than half of them."""
+def run_task(model: GPT, tokenizer: Tokenizer, task: Task, batch_size: int = 16, progress: bool = False,
+             announce: Callable[[str], None] | None = None) -> TaskResult:
+    """Score every document of `task`; ValueError if the tokenizer can encode fewer than half of them.
+    `progress` draws a bar of the requests; `announce` is given a line before they are scored."""
     begin = time.perf_counter()
     block = model.config.block_size
     encoded = [(document, encodable(tokenizer, document, block)) for document in task.documents]
@@ -52,7 +53,11 @@ def run_task(model: GPT, tokenizer: Tokenizer, task: Task, batch_size: int = 16,
         raise TaskRefused(f"{task.name}: the model's {tokenizer.kind} tokenizer encodes only {len(kept)} of "
                          f"{len(encoded)} documents (characters it never saw, or continuations longer than "
                          "its window): evaluate a byte or BPE model")
-    scores = iter(score_pairs(model, [pair for _, pairs in kept for pair in pairs], batch_size, progress))
+    requests = [pair for _, pairs in kept for pair in pairs]
+    if announce is not None:
+        announce(f"scoring {task.name} ({task.variant}): {len(requests):,} requests of {len(kept):,} "
+                 "documents")
+    scores = iter(score_pairs(model, requests, batch_size, progress, task.name))
     per_document = [[next(scores) for _ in pairs] for _, pairs in kept]  # [(loglikelihood, greedy)] each
     documents = [document for document, _ in kept]
     return TaskResult(task, task_metrics(documents, per_document), len(kept), len(encoded) - len(kept),
@@ -128,16 +133,18 @@ def table(results: Sequence[TaskResult]) -> str:
 
 def evaluate_benchmarks(model: GPT, tokenizer: Tokenizer, names: Sequence[str],
                         variant: str | None = None, shots: int | None = None, limit: int | None = None,
-                        batch_size: int = 16, progress: bool = False) -> tuple[list[TaskResult], list[str]]:
+                        batch_size: int = 16, progress: bool = False,
+                        announce: Callable[[str], None] | None = None) -> tuple[list[TaskResult], list[str]]:
     """Score the named tasks (their rc_0shot variants unless `variant` or `shots` picks another), each
     read first so that a misspelt name fails before any scoring. Returns the results and the refusals
     (one line each); a task the tokenizer cannot serve does not cost the others' scores, but if every
-    task is refused that is an error."""
+    task is refused that is an error. `progress` draws a bar per task; `announce` is given a line before
+    each task is scored."""
     tasks = [load_task(name, variant, shots, limit) for name in names]
     results, refused = [], []
     for task in tasks:
         try:
-            results.append(run_task(model, tokenizer, task, batch_size, progress))
+            results.append(run_task(model, tokenizer, task, batch_size, progress, announce))
         except TaskRefused as refusal:
             refused.append(str(refusal))
     if not results:

@@ -44,8 +44,9 @@ def encode_pair(tokenizer: Tokenizer, request: Request) -> tuple[list[int], list
 
 @torch.no_grad()
 def score_pairs(model: GPT, pairs: Sequence[tuple[list[int], list[int]]], batch_size: int = 16,
-                progress: bool = False) -> list[tuple[float, bool]]:
-    """(sum of log-probabilities, is greedy) of each encoded continuation after its context."""
+                progress: bool = False, label: str | None = None) -> list[tuple[float, bool]]:
+    """(sum of log-probabilities, is greedy) of each encoded continuation after its context; with
+    `progress`, behind a bar of the requests done, named `label`."""
     if batch_size < 1:
         raise SettingError(f"{{batch_size}}={batch_size} must be at least 1", batch_size="batch_size")
     block = model.config.block_size
@@ -57,7 +58,8 @@ def score_pairs(model: GPT, pairs: Sequence[tuple[list[int], list[int]]], batch_
     # longest first, as lm-eval orders them: a batch pads little, and memory peaks at once
     order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
     results: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
-    with tqdm(total=len(pairs), disable=not progress, unit="req", dynamic_ncols=True, leave=False) as bar:
+    with tqdm(total=len(pairs), disable=not progress, desc=label, unit="req", dynamic_ncols=True,
+              leave=False) as bar:
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
             inputs = [(pairs[i][0] + pairs[i][1])[-(block + 1):][:-1] for i in chunk]

@@ -5,6 +5,7 @@ defaults and chat template), a socket bound to an address (`listen`) and uvicorn
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -37,17 +38,17 @@ class ServedRun:
 def app_for_run(run: str | Path, device: str = "cpu", dtype: str = "float32", quantize: str = "none", *,
                 api_key: str | None = None, max_batch: int | None = None, limits: Limits | None = None,
                 allowed_hosts: Collection[str] | None = LOOPBACK_NAMES) -> ServedRun:
-    """The app serving a run folder or checkpoint, named after its folder, its weights held in `dtype` or
-    quantised (`checkpoint.load_for_inference`). `max_batch` None: the largest batch up to 64 that fits in
-    the memory free before loading (`sizing.plan_memory`); the run's own sampling defaults (an imported
-    model's generation_config.json) fill what a request leaves out, and its chat template renders chats."""
+    """The app serving a run folder or checkpoint, named as given (a link by its own name), its weights held
+    in `dtype` or quantised (`checkpoint.load_for_inference`). `max_batch` None: the largest batch up to 64
+    that fits in the memory free before loading (`sizing.plan_memory`); the run's sampling defaults (an
+    imported model's generation_config.json) fill what a request leaves out; its chat template, chats."""
     limits = limits or Limits()
     torch_device = resolve_device(device)
     free = available_memory(torch_device)  # before the weights take their share
     model, tokenizer = load_for_inference(run, torch_device, dtype, quantize)
     plan = plan_memory(model.config, next(model.parameters()).dtype, weights_bytes(model), free,
                        max_batch, limits.max_context)
-    name = Path(run).resolve().name
+    name = Path(os.path.abspath(run)).name  # as given, links unresolved: runs/demo (a link) serves "demo"
     # max_tokens stays OpenAI's default: only the sampling fields take the run's own defaults.
     defaults = {k: v for k, v in generation_defaults(run).items() if k in SAMPLING_DEFAULTS}
     template = template_from_state(load_header(run).state)

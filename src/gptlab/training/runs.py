@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -206,3 +207,23 @@ def prepare_for_run(source: str | Path, run_dir: Path, tokenizer: str | Tokenize
                 progress=progress and on_terminal())
     distributed.barrier()  # under torchrun the other ranks wait for rank 0's data
     return run_dir / "data"
+
+
+def point_link(link: Path, run_dir: Path) -> str | None:
+    """Point the symlink `link` at `run_dir` (relative, replacing an older link atomically); None when it
+    points there, else why it was left alone: a file or folder already there, or no symlinks here."""
+    if link.absolute() == run_dir.absolute():
+        return None  # the run is at that path itself
+    if not link.is_symlink() and link.exists():
+        return f"{link} is not a link (a file or folder is there): left as it is"
+    target = os.path.relpath(run_dir.absolute(), link.absolute().parent)
+    temporary = link.with_name(f".{link.name}.{os.getpid()}.link")
+    try:
+        link.parent.mkdir(parents=True, exist_ok=True)
+        temporary.unlink(missing_ok=True)
+        temporary.symlink_to(target, target_is_directory=True)
+        os.replace(temporary, link)  # rename() swaps the link in one step: never a moment without it
+    except OSError as err:
+        temporary.unlink(missing_ok=True)
+        return f"could not point {link} at {run_dir} ({err.strerror or err})"
+    return None
