@@ -17,6 +17,21 @@ from filelock import lock_descriptor, unlock_descriptor
 
 from gptlab.config import SettingError
 
+MARK = "gptlab"  # what gptlab's pictures and pages name as their writer
+PNG_MARK = {"Software": MARK}  # matplotlib's savefig metadata: a PNG tEXt chunk
+HTML_MARK = f'<meta name="generator" content="{MARK}">'  # in every page's <head>
+
+
+def written_by_gptlab(path: Path) -> bool:
+    """Whether an existing picture or page says gptlab wrote it (PNG_MARK or HTML_MARK near its start): an
+    --out the same command may write again, where another file is refused without --force."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(16384)
+    except OSError:
+        return False
+    return f"Software\0{MARK}".encode() in head or HTML_MARK.encode() in head
+
 
 def fsync(path: Path) -> None:
     """Flush a file's contents to the disk, and a folder's entries (so a rename in it lasts) where the

@@ -117,17 +117,26 @@ def test_a_lock_file_a_refusal_removed_is_never_held_by_a_late_opener(
         assert (run / RunLock.NAME).read_bytes().strip() == str(os.getpid()).encode()
 
 
-def test_attention_refuses_an_existing_out_file_unless_forced(trained_run: Path, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture) -> None:
-    out = tmp_path / "mine.png"
-    argv = ["attention", str(trained_run), "--prompt", "the cat", "--out", str(out)]
+@pytest.mark.parametrize("command", [
+    ["attention", "--prompt", "the cat", "--out", "OUT.png"],
+    ["attention", "--prompt", "the cat", "--out", "OUT.html"],
+    ["lens", "--prompt", "the cat", "--out", "OUT.html"],
+    ["ablate", "--prompt", "the cat", "--out", "OUT.png"],
+    ["heads", "--out", "OUT.png"],
+])
+def test_a_picture_out_is_redone_when_gptlab_wrote_it_and_refused_otherwise(
+        command: list[str], trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / command[-1]
+    argv = [command[0], str(trained_run), *command[1:-1], str(out)]
     assert main(argv) == 0  # a new file
+    assert main(argv) == 0  # the same command twice just works: the file is gptlab's own
     written = out.read_bytes()
     out.write_bytes(b"my own picture")
-    one_line_error(capsys, argv, f"{out} exists: pass --force to replace it")
+    refusal = f"--out {out} exists and was not written by gptlab: pass --force to replace it"
+    one_line_error(capsys, argv, refusal)
     assert out.read_bytes() == b"my own picture"
-    assert main([*argv, "--force"]) == 0 and main([*argv, "--force"]) == 0  # the same command twice
-    assert out.read_bytes() == written
+    assert main([*argv, "--force"]) == 0 and main(argv) == 0
+    assert len(out.read_bytes()) > 0 and out.read_bytes()[:8] == written[:8]
 
 
 # ---------------------------------------------------------------------------------------------

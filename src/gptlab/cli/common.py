@@ -168,3 +168,12 @@ def add_weight_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=QUANTIZATIONS, default="none",
                         help="int8: int8 weights with one scale per output channel, bfloat16 activations "
                         "into each product; CPU only (default none)")
+
+
+def check_out(out: Path, force: bool) -> None:
+    """Refuse an existing --out that gptlab did not write (a picture or page of its own is written again,
+    as the same command twice must just work), unless --force."""
+    from gptlab.files import written_by_gptlab  # torch-free, but only needed when a command runs
+
+    if out.exists() and not force and not written_by_gptlab(out):
+        raise ValueError(f"--out {out} exists and was not written by gptlab: pass --force to replace it")

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.common import add_device_option
+from gptlab.cli.common import add_device_option, check_out
 from gptlab.config import DETECTORS, DTYPES
 
 
@@ -29,8 +29,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix.lower() not in (".png", ".html"):
         raise ValueError(f"--out {args.out} must end in .png (a picture) or .html (an interactive page)")
-    if out.exists() and not args.force:
-        raise ValueError(f"--out {out} exists: pass --force to replace it")
+    check_out(out, args.force)
     if checkpoint_architecture(args.run) == "encoder-decoder":
         return draw_cross_attention(args, out)
     model, tokenizer, ids = load_prompt(args)
@@ -69,6 +68,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
 
     if Path(args.out).suffix.lower() != ".png":
         raise ValueError(f"--out {args.out} must end in .png: the heatmap is written as a PNG picture")
+    check_out(Path(args.out), args.force)
     model, tokenizer, ids = load_prompt(args)
     target = None if args.target is None else encode_token(tokenizer, args.target, "--target")
     result = ablate_heads(model, ids, target)
@@ -156,6 +156,7 @@ def cmd_lens(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.suffix.lower() not in (".png", ".html"):
         raise ValueError(f"--out {args.out} must end in .png (a heatmap) or .html (a table to hover)")
+    check_out(out, args.force)
     model, tokenizer, ids = load_prompt(args)
     position = None if args.position is None else resolve_position(args.position, len(ids), "--position")
     lens = logit_lens(model, tokenizer, args.prompt, ids)
@@ -187,6 +188,7 @@ def cmd_patch(args: argparse.Namespace) -> int:
 
     if Path(args.out).suffix.lower() != ".png":
         raise ValueError(f"--out {args.out} must end in .png: the heatmaps are written as a PNG picture")
+    check_out(Path(args.out), args.force)
     model, tokenizer = load_run(args.run, resolve_device(args.device))
     block = model.config.block_size
     clean = encode_prompt(tokenizer, args.clean, block, "--clean")
@@ -225,6 +227,8 @@ def cmd_heads(args: argparse.Namespace) -> int:
 
     if args.out is not None and Path(args.out).suffix.lower() != ".png":
         raise ValueError(f"--out {args.out} must end in .png: the heatmaps are written as a PNG picture")
+    if args.out is not None or not args.json:
+        check_out(Path(args.out or ("heads-history.png" if args.history else "heads.png")), args.force)
     if args.history:
         if args.json or args.ablate:
             raise ValueError("--history plots the scores saved during training: it takes no --json or "
@@ -263,6 +267,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
 
 
 SEQUENCES_TEXT = "repeated random tokens (2 x {n}, seed {seed})"
+FORCE = "replace --out even if gptlab did not write it (its own earlier picture is replaced anyway)"
 
 
 def draw_history(args: argparse.Namespace) -> int:
@@ -312,8 +317,7 @@ def add_attention_command(sub: Any) -> None:
                  "(gptlab seq2seq train), --prompt is the source and FILE.png shows cross-attention: rows "
                  "are the answer's tokens, columns the source's.")
     at.add_argument("--out", required=True, metavar="FILE.png|FILE.html", help="the picture or page to write")
-    at.add_argument("--force", action="store_true",
-                    help="replace --out if it exists (it is refused otherwise)")
+    at.add_argument("--force", action="store_true", help=FORCE)
     at.add_argument("--layer", type=int, help="draw only this layer (default: all)")
     at.add_argument("--head", type=int, help="draw only this head (default: all)")
     at.set_defaults(func=cmd_attention)
@@ -332,6 +336,7 @@ def add_ablate_command(sub: Any) -> None:
                     help="which ablation orders the table (default zero)")
     ab.add_argument("--out", default="ablation.png", metavar="FILE.png",
                     help="the heatmap to write (default ablation.png)")
+    ab.add_argument("--force", action="store_true", help=FORCE)
     ab.set_defaults(func=cmd_ablate)
 
 
@@ -383,6 +388,7 @@ def add_lens_command(sub: Any) -> None:
                     help="the heatmap or page to write (default lens.png)")
     le.add_argument("--position", type=int, help="print the top five at every stage for this token "
                     "position instead of the table (negative counts from the end)")
+    le.add_argument("--force", action="store_true", help=FORCE)
     le.set_defaults(func=cmd_lens)
 
 
@@ -402,6 +408,7 @@ def add_patch_command(sub: Any) -> None:
     pa.add_argument("--foil", help="the token it is compared with, exactly one token (default: the "
                     "corrupted run's likeliest other token)")
     pa.add_argument("--out", default="patch.png", metavar="FILE.png", help="the heatmaps (default patch.png)")
+    pa.add_argument("--force", action="store_true", help=FORCE)
     pa.set_defaults(func=cmd_patch)
 
 
@@ -428,4 +435,5 @@ def add_heads_command(sub: Any) -> None:
     he.add_argument("--seed", type=int, default=0, help="seed of the random sequences (default 0)")
     he.add_argument("--out", metavar="FILE.png", help="the picture to write (default heads.png, or "
                     "heads-history.png with --history; with --json only when given)")
+    he.add_argument("--force", action="store_true", help=FORCE)
     he.set_defaults(func=cmd_heads)

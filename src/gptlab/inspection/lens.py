@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from gptlab.files import PNG_MARK
 from gptlab.inspection.hooks import record
 from gptlab.inspection.page import static_text
 from gptlab.inspection.tokens import token_label, token_labels
@@ -105,7 +106,7 @@ def save_lens_png(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> No
     ax.set_xlabel("position: token \u2192 the token that comes next")
     fig.colorbar(image, ax=ax, label="p(the actual next token)")
     fig.suptitle(f"logit lens of {lens.prompt!r} (cells: each stage's top prediction)", fontsize=10)
-    fig.savefig(path, format="png")
+    fig.savefig(path, format="png", metadata=PNG_MARK)
 
 
 def save_lens_html(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> None:
