@@ -247,7 +247,7 @@ def gguf_vocab(tokenizer: Mapping[str, Any], vocab_size: int) -> GGUFVocab:
         spell = byte_to_unicode()
         tokens, merges, specials, eos = [spell[b] for b in range(256)], [], set(), None
     elif kind in ("bpe", "gpt2", "hf"):
-        hf = json.loads(hf_tokenizer_json(tokenizer))  # type: ignore[arg-type]
+        hf = json.loads(hf_tokenizer_json(tokenizer))
         pre = hf.get("pre_tokenizer") or {}
         if hf["model"]["type"] != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
             raise ValueError(f"the {kind} tokenizer is not GPT-2's byte-level BPE, the one scheme gptlab "

@@ -2,9 +2,10 @@
 library's format), GPT-2's vocab.json and merges.txt, and GPT-2's own vocabulary rebuilt from tiktoken's.
 
 `bpe` exports its own tokenizers JSON; `gpt2` rebuilds GPT-2's vocabulary and merges from tiktoken's
-ranks; `char` and `byte` have no Hugging Face equivalent and are not exported. An imported Llama or
-Qwen2 keeps its tokenizer.json as an `hf` tokenizer. Only the `tokenizers` library is needed; the
-GGUF export (`gptlab.interop.gguf`) writes its vocabulary from the same functions.
+ranks; `char` becomes a word-level vocabulary read one character at a time, and `byte` a byte-level BPE
+without merges (byte b is id b). An imported Llama or Qwen2 keeps its tokenizer.json as an `hf`
+tokenizer. Only the `tokenizers` library is needed; the GGUF export (`gptlab.interop.gguf`) writes its
+vocabulary from the same functions.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from gptlab.config import SettingError
 from gptlab.interop.gpt2 import GPT2_VOCAB
 from gptlab.interop.hf_folder import eos_ids, generation_config, token_ids
 from gptlab.text.tokenizer import EOT, ImportedTokenizer, tokenizer_from_dict
@@ -74,11 +76,29 @@ def _last_merge(token: bytes, ranks: Mapping[bytes, int]) -> tuple[bytes, bytes]
     return parts[0], parts[1]
 
 
-def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str | None:
-    """Tokenizers JSON that encodes like a saved gptlab tokenizer; None for char and byte."""
-    if tokenizer["kind"] in ("bpe", ImportedTokenizer.kind):
+def char_level_json(chars: str) -> str:
+    """Tokenizers JSON of gptlab's char kind: each character is one token, id i is `chars[i]`, and a
+    character outside them is an error (tokenizers: "Missing [UNK] token"), as in gptlab."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer(models.WordLevel({c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), "isolated")  # every character, newlines too
+    hf.decoder = decoders.Fuse()  # the characters joined as they are, no spaces added
+    return hf.to_str()
+
+
+def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str:
+    """Tokenizers JSON that encodes and decodes exactly like a saved gptlab tokenizer; a kind that cannot be
+    written exactly is refused (a SettingError naming it)."""
+    kind = tokenizer["kind"]
+    if kind in ("bpe", ImportedTokenizer.kind):
         return tokenizer["json"]
-    if tokenizer["kind"] == "gpt2":
+    if kind == "char":
+        return char_level_json(tokenizer["chars"])
+    if kind == "byte":  # no merges: each byte's GPT-2 spelling is one token, byte b is id b
+        return byte_level_bpe({spelled: b for b, spelled in byte_to_unicode().items()}, [])
+    if kind == "gpt2":
         # tokenizer.py's loader, for its error message that says how to get tiktoken's files
         from gptlab.text.tokenizer import load_gpt2_encoding
 
@@ -86,7 +106,8 @@ def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str | None:
         eot = encoding.eot_token
         ranks = {encoding.decode_single_token_bytes(i): i for i in range(encoding.n_vocab) if i != eot}
         return bpe_json_from_ranks(ranks, {EOT: eot})
-    return None
+    raise SettingError(f"the {kind} tokenizer cannot be written as a Hugging Face tokenizer that encodes as "
+                       "gptlab does: train with {t} char, byte or bpe", t="tokenizer")
 
 
 def damaged_file(path: Path, exc: BaseException) -> ValueError:

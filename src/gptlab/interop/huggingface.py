@@ -144,9 +144,10 @@ def export_hf(run: str | Path, out_dir: str | Path, adapter_only: bool = False) 
     """Write a run's best checkpoint as a folder that `transformers` loads: GPT2LMHeadModel, or
     LlamaForCausalLM / Qwen2ForCausalLM for a Llama-shaped model (`export_family`).
 
-    With a bpe, gpt2 or hf tokenizer the folder also holds tokenizer files for `AutoTokenizer`. An adapter
-    run (`gptlab finetune --lora`) adds its PEFT adapter (`export_adapter_run`); `adapter_only` writes
-    that adapter alone. Everything is computed before the first file is written.
+    The folder holds tokenizer files with which `AutoTokenizer` encodes exactly as the run's tokenizer (a
+    kind that cannot be written so is refused). An adapter run (`gptlab finetune --lora`) adds its PEFT
+    adapter (`export_adapter_run`); `adapter_only` writes that adapter alone. Everything is computed
+    before the first file is written.
     """
     checkpoint = load_checkpoint(run)
     require_architecture(architecture(checkpoint.model_config), run, "decoder")  # both are decoder-only
@@ -178,25 +179,25 @@ def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only
         note = f"load it onto its base exported on its own: gptlab export-hf {base} HF_DIR"
         return Conversion(out_dir, written.files, [note])
     tensors = {name: t for name, t in model_tensors(model).items() if not is_lora_tensor(name)}
-    weights, texts, notes = _hf_files(replace(checkpoint, model_state=tensors))
+    weights, texts = _hf_files(replace(checkpoint, model_state=tensors))
     with _staged(out_dir) as folder:
         _write_hf_files(folder, weights, texts)
         adapter = export_peft_adapter(model, lora, folder / ADAPTER_DIR, str(out_dir.resolve()))
         files = ["model.safetensors", *texts, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)]
         _write_export_marker(folder, marker, files)
-    return Conversion(out_dir, files, notes)
+    return Conversion(out_dir, files, [])
 
 
 def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path) -> Conversion:
     """Write one decoder checkpoint's weights, config and tokenizer as a Hugging Face folder (export_hf)."""
     marker = _export_marker(checkpoint, False)
     out_dir = _new_folder(out_dir, marker)
-    weights, texts, notes = _hf_files(checkpoint)
+    weights, texts = _hf_files(checkpoint)
     with _staged(out_dir) as folder:
         _write_hf_files(folder, weights, texts)
         files = ["model.safetensors", *texts]
         _write_export_marker(folder, marker, files)
-    return Conversion(out_dir, files, notes)
+    return Conversion(out_dir, files, [])
 
 
 def _export_marker(checkpoint: Checkpoint, adapter_only: bool) -> dict[str, Any]:
@@ -210,18 +211,18 @@ def _write_export_marker(folder: Path, marker: dict[str, Any], files: list[str])
                       json.dumps({SOURCE_KEY: {**marker, "files": files}}, indent=2) + "\n")
 
 
-def _hf_files(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, str], list[str]]:
-    """The weights, the text files (name -> text) and the notes of a checkpoint's Hugging Face folder."""
+def _hf_files(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, str]]:
+    """The weights and the text files (name -> text) of a checkpoint's Hugging Face folder."""
     from tokenizers import Tokenizer as HFTokenizer
 
     config = checkpoint.model_config
     family = export_family(config)
-    tokenizer_json = hf_tokenizer_json(checkpoint.tokenizer)
-    hf_tokenizer = HFTokenizer.from_str(tokenizer_json) if tokenizer_json else None
+    tokenizer_json = hf_tokenizer_json(checkpoint.tokenizer)  # refuses a kind it cannot write exactly
+    hf_tokenizer = HFTokenizer.from_str(tokenizer_json)
     if checkpoint.tokenizer["kind"] == ImportedTokenizer.kind:  # the imported model's own ids
         eot_id, bos_id = checkpoint.tokenizer.get("eos_id"), checkpoint.tokenizer.get("bos_id")
     else:
-        eot_id = hf_tokenizer.token_to_id(EOT) if hf_tokenizer else None
+        eot_id = hf_tokenizer.token_to_id(EOT)  # None for char and byte, which have no end-of-text token
         bos_id = eot_id if family == "gpt2" else None
     if family == "gpt2":
         tensors = to_gpt2_state(checkpoint.model_state, config)
@@ -229,18 +230,12 @@ def _hf_files(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, str], l
     else:
         tensors = to_llama_state(checkpoint.model_state, config, expected_shapes(config))
         hf_config = llama_config(config, bos_id, eot_id)
-    texts = {"config.json": json.dumps(hf_config, indent=2) + "\n"}
-    notes = []
-    if hf_tokenizer is None:
-        notes.append(f"the {checkpoint.tokenizer['kind']} tokenizer has no Hugging Face equivalent: "
-                     "only the weights are exported")
-    else:
-        token = {name: None if i is None else hf_tokenizer.id_to_token(i) for name, i in (("eos", eot_id),
-                                                                                       ("bos", bos_id))}
-        texts["tokenizer.json"] = tokenizer_json  # type: ignore[assignment]
-        texts["tokenizer_config.json"] = json.dumps(
-            _tokenizer_config(token["eos"], token["bos"], config.block_size), indent=2)
-    return tensors, texts, notes
+    token = {name: None if i is None else hf_tokenizer.id_to_token(i) for name, i in (("eos", eot_id),
+                                                                                   ("bos", bos_id))}
+    texts = {"config.json": json.dumps(hf_config, indent=2) + "\n", "tokenizer.json": tokenizer_json,
+             "tokenizer_config.json": json.dumps(
+                 _tokenizer_config(token["eos"], token["bos"], config.block_size), indent=2)}
+    return tensors, texts
 
 
 def _write_hf_files(folder: Path, tensors: dict[str, Any], texts: dict[str, str]) -> None:
