@@ -142,7 +142,7 @@ def test_export_loads_in_transformers_and_behaves_the_same(
     assert not any(info.values()), info  # no missing, unexpected or mismatched tensors
     assert hf.config.n_inner in (None, config.ffn_hidden) and hf.config.layer_norm_epsilon == config.norm_eps
     assert_same_behaviour(model, hf.eval(), config.vocab_size)
-    assert "tokenizer.json" in result.files  # every kind, char and byte too (tests/interop/test_hf_char_tokenizer.py)
+    assert "tokenizer.json" in result.files  # every kind, char and byte too (test_hf_char_tokenizer.py)
     assert result.notes == []
 
 
