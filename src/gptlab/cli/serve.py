@@ -38,10 +38,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     request_timeout=args.request_timeout, prefill_chunk=args.prefill_chunk)
     import torch
 
-    torch.set_num_threads(args.threads)
-    served = app_for_run(args.run, args.device, args.dtype, args.quantize, api_key=api_key,
-                         max_batch=args.max_batch, limits=limits, allowed_hosts=allowed)
-    sock = bind(listen, args.host, args.port)
+    sock = bind(listen, args.host, args.port)  # a busy port is refused before the model is loaded
+    try:
+        served = app_for_run(args.run, args.device, args.dtype, args.quantize, api_key=api_key,
+                             max_batch=args.max_batch, limits=limits, allowed_hosts=allowed)
+    except BaseException:
+        sock.close()
+        raise
+    torch.set_num_threads(args.threads)  # once serving is sure: a refusal leaves the caller's count as it was
     announce(args.run, served, sock, api_key is not None, allowed)
     run_app(served.app, sock)
     print("stopped", flush=True)
