@@ -43,6 +43,7 @@ def test_the_summary_names_the_context_the_longest_example_and_the_option(tmp_pa
                               "--too-long truncate keeps them, cut to fit)")
 
 
+@pytest.mark.slow  # trains a tiny model
 def test_finetune_prints_the_data_summary_before_the_first_step(tmp_path: Path, one_thread: None,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     base, data = make_base(tmp_path), write_data(tmp_path / "task.jsonl")

@@ -77,6 +77,7 @@ def test_forked_children_give_the_checks_of_fresh_interpreters_without_importing
     assert forker != str(os.getpid()) and its_parent == str(os.getpid()) and had_torch == "True"
 
 
+@pytest.mark.slow  # the check command end to end, twice at a time
 def test_jobs_2_checks_two_at_a_time_and_reports_in_the_files_order(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     running, most = [0], [0]
@@ -101,6 +102,7 @@ def test_jobs_2_checks_two_at_a_time_and_reports_in_the_files_order(
     assert most[0] == 2
 
 
+@pytest.mark.slow  # the check command end to end
 def test_a_folder_means_its_py_files_sorted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     seen: list[str] = []

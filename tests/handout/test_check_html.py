@@ -11,6 +11,7 @@ from gptlab.cli import main
 from gptlab.handout.learner.bugs import write_bug, write_reference
 
 
+@pytest.mark.slow  # three checks through the server
 def test_html_writes_a_page_per_file_with_the_leak_marked(tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     bugged = write_bug("no-mask", tmp_path / "no_mask.py")

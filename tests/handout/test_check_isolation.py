@@ -85,6 +85,7 @@ def test_a_traceback_names_the_learners_file_not_the_private_copy(tmp_path: Path
     assert "gptlab-check-" not in report.traceback + "".join(c.cause for c in report.checks)
 
 
+@pytest.mark.slow  # a child run to its time limit
 @pytest.mark.parametrize("ending", ["finishes", "times out"])
 def test_nothing_the_file_starts_outlives_the_check(tmp_path: Path, ending: str) -> None:
     pids = tmp_path / "pids.txt"

@@ -37,6 +37,7 @@ def learner_files(folder: Path) -> list[Path]:
     return sorted(LEARNERS.glob("*.py")) + written
 
 
+@pytest.mark.slow  # grades the whole gallery
 def test_the_parents_judgement_matches_every_check_made_in_process(tmp_path: Path) -> None:
     """Every check that passes carries evidence, and judging it again (after a trip through JSON, as
     from the child) gives the same verdict: on correct files, on every bug, passes and failures alike."""
