@@ -28,8 +28,10 @@ FENCE = re.compile(r"^(\s*)(`{3,})(\S*)")
 # The runs fast forms may name, each trained once per session at tiny size by these commands (in order;
 # a builder naming another shared run gets that one built first).
 TINY = "gptlab train --preset tiny --block-size 64 --max-steps 3 --samples 0"
+# runs/demo is what `make demo` leaves: the demo preset (its char tokenizer, its exact GELU), a few steps.
+DEMO = "gptlab train --preset demo --max-steps 3 --eval-interval 3 --eval-batches 1 --samples 0 --no-progress"
 SHARED_RUNS = {
-    "demo": [f"{TINY} --data shakespeare --out runs/demo"],
+    "demo": [f"{DEMO} --data shakespeare --out runs/demo"],
     "shakespeare": ["cp -r runs/demo runs/shakespeare"],
     "base": [f"{TINY} --data corpus.txt --tokenizer bpe --vocab-size 300 --out runs/base"],
     "sft": ["gptlab finetune runs/base --data chats.jsonl --max-steps 3 --out runs/sft"],
@@ -208,6 +210,7 @@ class Workspace:
         (folder / "scene.txt").write_text("JULIET:\nO Romeo, Romeo!", encoding="utf-8")
         (folder / "tasks.jsonl").write_text(TASKS, encoding="utf-8")
         (folder / "chats.jsonl").write_text(CHATS, encoding="utf-8")
+        shutil.copytree(ROOT / "examples" / "data", folder / "examples" / "data", dirs_exist_ok=True)
 
     def ensure(self, name: str) -> Path:
         """The shared run `name`, trained (with the runs it starts from) when first asked for."""

@@ -37,7 +37,8 @@ from gptlab.text.tokenizer import DamagedTokenizerError, SymbolTokenizer, Tokeni
 FORMAT = "gptlab-checkpoint-1"
 # The state key of an adapter run (`gptlab finetune --lora`): {"base": its base run's checkpoint file,
 # "base_sha256": that file's SHA-256 when the run started (runs from before it was recorded have none),
-# "config": the LoraConfig}. Such a checkpoint holds only the adapter tensors.
+# "config": the LoraConfig, and "new_rows" when the run added tokens: {"ids", "mean_of"}, see
+# gptlab.adapt.finetune}. Such a checkpoint holds only the adapter tensors (with those tokens' rows).
 ADAPTER = "lora"
 LAST, BEST = "last.safetensors", "best.safetensors"
 # The architectures a checkpoint may hold: its config class and model class, by the name it is saved under.
@@ -118,7 +119,7 @@ def adapted_model(checkpoint: Checkpoint) -> GPT:
     a base whose file changed since the adapters were trained on it (its recorded SHA-256) is refused."""
     # gptlab.adapt builds on this module (lora -> interop.huggingface -> checkpoint): imported when used,
     # not above.
-    from gptlab.lora import LoraConfig, add_lora, load_lora_state
+    from gptlab.lora import LoraConfig, add_lora, add_trainable_tokens, grow_embeddings, load_lora_state
 
     saved = checkpoint.state[ADAPTER]
     base_file = Path(saved["base"])
@@ -130,10 +131,17 @@ def adapted_model(checkpoint: Checkpoint) -> GPT:
                          "changed since (its content hash differs): restore that base, or fine-tune again "
                          "from the base as it is now")
     base = load_checkpoint(base_file)
-    if base.model_config != checkpoint.model_config or ADAPTER in base.state:
+    new_rows = saved.get("new_rows")  # chat markers added by the run: the base grows their rows first
+    vocab_size = base.model_config.vocab_size if new_rows is None else checkpoint.model_config.vocab_size
+    if base.model_config.replace(vocab_size=vocab_size) != checkpoint.model_config or ADAPTER in base.state:
         raise ValueError(f"{base_file} is not the base model {checkpoint.source} was trained on (another "
                          "shape or vocabulary): fine-tune again from the base you have")
-    model = add_lora(base.build_gpt(), LoraConfig.from_dict(saved["config"]))
+    model = base.build_gpt()
+    if new_rows is not None:
+        model = grow_embeddings(model, new_rows["ids"], new_rows["mean_of"])
+    model = add_lora(model, LoraConfig.from_dict(saved["config"]))
+    if new_rows is not None:
+        add_trainable_tokens(model, new_rows["ids"])
     load_lora_state(model, checkpoint.model_state)
     return model
 
@@ -396,8 +404,13 @@ def load_run(
 def load_for_inference(run: str | Path, device: torch.device | str = "cpu", dtype: str = "float32",
                        quantize: str = "none") -> tuple[GPT, Tokenizer]:
     """A run's decoder (its best checkpoint, in eval mode, on `device`) and tokenizer, its weights held in
-    `dtype` (float32, bfloat16) or quantised (none, int8) as `gptlab.quantize.inference_weights` says."""
+    `dtype` (float32, bfloat16) or quantised (none, int8) as `gptlab.quantize.inference_weights` says.
+    A LoRA run's adapters are merged first when quantised: int8 replaces every linear layer, theirs too."""
     model, tokenizer = load_run(run, device)
+    if quantize != "none" and ADAPTER in load_header(run).state:
+        from gptlab.lora import merge_lora
+
+        model = merge_lora(model)
     return inference_weights(model, dtype, quantize), tokenizer
 
 

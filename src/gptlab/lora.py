@@ -13,6 +13,12 @@ Deliberate choices:
   The default names the attention and FFN projections; those a model lacks (c_gate in a GELU FFN) are
   skipped, while a pattern the user chose must match something.
 
+New tokens (chat markers a tokenizer gained, `gptlab.adapt.chat`) get rows in the embedding and an untied
+head (`grow_embeddings`). Under LoRA those rows, and only those, train (`add_trainable_tokens`, PEFT's
+"trainable tokens"): `TokenRowsEmbedding` and `TokenRowsHead` keep the base's whole weight frozen and
+hold the new rows as the Parameter `token_rows`, saved with the adapters (`...wte.token_rows`, and
+`lm_head.token_rows` when the head is untied; a tied head reads the embedding's).
+
 The PEFT export of an adapter is `gptlab.interop.peft`.
 """
 
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -139,12 +145,14 @@ def trainable_parameters(model: nn.Module) -> int:
 
 
 def is_lora_tensor(name: str) -> bool:
-    """True for an adapter tensor's name (`...lora_A.weight`, `...lora_B.weight`), False for a base one."""
-    return name.endswith((".lora_A.weight", ".lora_B.weight"))
+    """True for an adapter tensor's name (`...lora_A.weight`, `...lora_B.weight`, new tokens'
+    `...token_rows`), False for a base one."""
+    return name.endswith((".lora_A.weight", ".lora_B.weight", ".token_rows"))
 
 
 def lora_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Only the adapter tensors (A and B of every LoRA layer), detached copies: a small adapter file."""
+    """Only the adapter tensors (A and B of every LoRA layer, new tokens' rows), detached copies: a small
+    adapter file."""
     return {name: t.detach().clone() for name, t in model.state_dict().items() if is_lora_tensor(name)}
 
 
@@ -164,8 +172,9 @@ def load_lora_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Run the model as its base inside the block (every LoRA layer computes W x + b only)."""
-    layers = lora_layers(model).values()
+    """Run the model as its base inside the block (every LoRA layer computes W x + b only, and new tokens
+    read their base rows)."""
+    layers = [*lora_layers(model).values(), *token_row_layers(model).values()]
     before = [layer.enabled for layer in layers]
     for layer in layers:
         layer.enabled = False
@@ -177,7 +186,8 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
 
 
 def merge_lora(model: GPT) -> GPT:
-    """Fold (alpha / r) B A into each W and put plain nn.Linear layers back; every weight trains again.
+    """Fold (alpha / r) B A into each W and new tokens' rows into their weights, and put plain layers back;
+    every weight trains again.
 
     The sum is formed in float32 and rounded once to W's dtype, so the merged logits differ from the
     adapted ones only by float rounding (W x + s B A x is summed in a different order).
@@ -188,4 +198,120 @@ def merge_lora(model: GPT) -> GPT:
             layer.weight.copy_((layer.weight.float() + layer.delta()).to(layer.weight.dtype))
         plain.weight, plain.bias = layer.weight, layer.bias  # the same Parameters, now updated
         _replace(model, name, plain)
+    for name, rows in token_row_layers(model).items():
+        if rows.token_rows is not None:  # a tied head's rows are the embedding's, copied in with them
+            with torch.no_grad():
+                rows.weight.index_copy_(0, rows.ids, rows.token_rows.to(rows.weight.dtype))
+        _replace(model, name, rows.plain())
     return model.requires_grad_(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# New tokens: their rows in the embedding and the head, and training only those under LoRA
+
+
+def grow_embeddings(model: GPT, new_ids: Sequence[int], mean_of: int) -> GPT:
+    """A model whose embedding (and untied head) has a row for each of `new_ids`, set to the mean of the
+    first `mean_of` rows (the old tokenizer's ids); every other row is unchanged, so are old ids' logits."""
+    config = model.config.replace(vocab_size=max(model.config.vocab_size, max(new_ids) + 1))
+    state = model.state_dict()
+    for name in ("transformer.wte.weight", "lm_head.weight"):  # the same tensor twice when tied
+        old = state[name]  # (V_old, D)
+        rows = torch.cat([old, old.new_zeros(config.vocab_size - old.size(0), old.size(1))])  # (V, D)
+        rows[list(new_ids)] = old[:mean_of].mean(dim=0)
+        state[name] = rows
+    grown = GPT(config).to(device=old.device, dtype=old.dtype)
+    grown.load_state_dict(state)
+    return grown.train(model.training)
+
+
+def _token_ids(ids: Sequence[int], weight: torch.Tensor) -> torch.Tensor:
+    """The new tokens' ids as a tensor beside `weight`, checked to be distinct rows of it."""
+    assert len(set(ids)) == len(ids) and all(0 <= i < weight.size(0) for i in ids), \
+        f"new token ids {list(ids)} must be distinct rows of the {weight.size(0)}-row weight"
+    return torch.tensor(list(ids), dtype=torch.long, device=weight.device)
+
+
+class TokenRowsEmbedding(nn.Embedding):
+    """A frozen embedding whose rows for the new tokens' `ids` are the trainable Parameter `token_rows`."""
+
+    ids: torch.Tensor  # (N,) the new tokens' ids
+    slots: torch.Tensor  # (V,) each id's row of token_rows, -1 for an old id
+
+    def __init__(self, base: nn.Embedding, ids: Sequence[int]) -> None:
+        # Given the base's weight to wrap, nn.Embedding draws no initial one (a normal_ on the meta device
+        # costs seconds the first time); the assignment keeps the very Parameter, so a tied head shares it.
+        super().__init__(base.num_embeddings, base.embedding_dim, _weight=base.weight)
+        self.weight = base.weight  # frozen; its rows for `ids` are not read while the layer is enabled
+        self.weight.requires_grad_(False)
+        self.register_buffer("ids", _token_ids(ids, self.weight), persistent=False)
+        self.token_rows = nn.Parameter(self.weight.detach()[self.ids].clone())  # (N, D), from the base's
+        slots = torch.full((self.num_embeddings,), -1, dtype=torch.long, device=self.weight.device)
+        slots[self.ids] = torch.arange(len(ids), device=self.weight.device)
+        self.register_buffer("slots", slots, persistent=False)
+        self.enabled = True
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, D)
+        rows = F.embedding(idx, self.weight)  # the base's rows, bit for bit
+        if not self.enabled:
+            return rows
+        slot = self.slots[idx]  # (B, T)
+        new = F.embedding(slot.clamp(min=0), self.token_rows)  # (B, T, D)
+        return torch.where((slot >= 0).unsqueeze(-1), new, rows)  # gradient reaches token_rows only
+
+    def plain(self) -> nn.Embedding:
+        """A plain nn.Embedding holding this layer's weight Parameter."""
+        plain = nn.Embedding(self.num_embeddings, self.embedding_dim, _weight=self.weight)
+        plain.weight = self.weight  # the very Parameter (the constructor wraps a new one around its data)
+        return plain
+
+
+class TokenRowsHead(nn.Linear):
+    """A frozen vocabulary head whose rows for the new tokens' `ids` train: its own `token_rows` when
+    untied; when tied, the embedding's, held outside the module tree so that they are saved once."""
+
+    ids: torch.Tensor  # (N,) the new tokens' ids
+
+    def __init__(self, base: nn.Linear, ids: Sequence[int], tied_to: TokenRowsEmbedding | None) -> None:
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        self.weight.requires_grad_(False)
+        self.register_buffer("ids", _token_ids(ids, self.weight), persistent=False)
+        self._tied = [tied_to] if tied_to is not None else []  # a list: not a submodule
+        self.token_rows = (None if tied_to is not None
+                           else nn.Parameter(self.weight.detach()[self.ids].clone()))  # (N, D)
+        self.enabled = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., V)
+        logits = F.linear(x, self.weight, self.bias)  # the base's logits, bit for bit
+        if not self.enabled:
+            return logits
+        rows = self._tied[0].token_rows if self._tied else self.token_rows
+        assert rows is not None, "an untied head holds its own rows"
+        bias = None if self.bias is None else self.bias[self.ids]
+        return logits.index_copy(-1, self.ids, F.linear(x, rows, bias))  # the new ids' logits (..., N)
+
+    def plain(self) -> nn.Linear:
+        """A plain nn.Linear holding this layer's weight and bias Parameters."""
+        plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        plain.weight, plain.bias = self.weight, self.bias
+        return plain
+
+
+def token_row_layers(model: nn.Module) -> dict[str, TokenRowsEmbedding | TokenRowsHead]:
+    """The new tokens' layers of the model by module name (the embedding, then the head), or none."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, TokenRowsEmbedding | TokenRowsHead)}
+
+
+def add_trainable_tokens(model: GPT, ids: Sequence[int]) -> GPT:
+    """Let the embedding and head rows of the new tokens' `ids` train, every other row of them frozen
+    (PEFT's trainable tokens); a fresh one leaves the logits unchanged. Returns the model."""
+    if token_row_layers(model):
+        raise ValueError("this model's new tokens already train: merge them (merge_lora) first")
+    if isinstance(model.lm_head, LoraLinear):
+        raise ValueError("lm_head has a LoRA adapter, and the new tokens' rows of it would train beside it: "
+                         "leave lm_head out of the LoRA targets")
+    embedding = TokenRowsEmbedding(model.transformer.wte, ids)
+    model.transformer.wte = embedding
+    model.lm_head = TokenRowsHead(model.lm_head, ids, embedding if model.config.tied else None)
+    return model

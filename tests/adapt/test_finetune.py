@@ -254,10 +254,9 @@ def test_messages_on_a_model_without_chat_markers_grow_its_vocabulary(tmp_path: 
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"the cat sat {i}"},
                                                      {"role": "assistant", "content": "on the mat."}]}) + "\n"
                             for i in range(4)), encoding="utf-8")
-    with pytest.raises(ValueError, match="lora keeps the embedding frozen: fine-tune without lora,"):
-        finetune(hf_run, tmp_path / "lora", SFTConfig(data=str(data)), steps(2), LoraConfig(r=2),
-                 progress=False)
-    assert not (tmp_path / "lora").exists()
+    _, _, notes = finetune(hf_run, tmp_path / "lora", SFTConfig(data=str(data)), steps(2), LoraConfig(r=2),
+                           progress=False)  # with LoRA, the new rows train (tests/adapt/test_chat_lora.py)
+    assert "LoRA r=2 and the 4 new tokens' rows" in notes[1]
     _, _, notes = finetune(hf_run, tmp_path / "run", SFTConfig(data=str(data)), steps(2), progress=False)
     assert "<|user|>" in notes[0]
     model, tokenizer = load_run(tmp_path / "run")

@@ -79,7 +79,7 @@ def test_prepare_train_eval_sample_from_the_command_line(
     assert main(["train", "--preset", "tiny", "--data", str(tmp_path / "data"), "--out", str(run),
                  "--max-steps", "30", "--no-progress", "--samples", "1"]) == 0
     out = capsys.readouterr().out
-    assert "finished at step 30" in out and "best checkpoint on the val split: loss" in out
+    assert "finished at step 30" in out and "best checkpoint (step 30) on the val split: loss" in out
     assert "--- sample 1 ---" in out
     assert main(["eval", str(run), "--data", str(text)]) == 0
     assert "bits per character" in capsys.readouterr().out
@@ -152,14 +152,14 @@ def test_training_ends_with_one_validation_figure_the_best_checkpoint_on_the_val
     """One validation loss is printed, said to be the best checkpoint's on the val split, and it is that:
     the loss `evaluate_tokens` gives the best checkpoint on the run's val split."""
     from gptlab.checkpoint import load_run
-    from gptlab.cli.train import EVAL_TOKENS
     from gptlab.data.tokens import TokenData
-    from gptlab.evaluation.heldout import evaluate_tokens
+    from gptlab.evaluation.heldout import EVAL_TOKENS, evaluate_tokens
 
     assert main(train_briefly(tmp_path, "--no-progress")) == 0
     report = capsys.readouterr().out.split("\nfinished at step 4")[1].splitlines()
     figures = [line for line in report if re.search(r"loss \d", line)]
-    assert len(figures) == 1 and figures[0].startswith("best checkpoint on the val split: loss "), report
+    assert len(figures) == 1 and figures[0].startswith("best checkpoint (step 4) on the val split: loss "), \
+        report
     printed = float(figures[0].split("loss ")[1].split()[0])
     model, _ = load_run(tmp_path / "run")
     val = TokenData(tmp_path / "run" / "data").split("val")

@@ -52,8 +52,8 @@ def test_heldout_eval_prints_a_line_off_a_terminal_and_nothing_with_no_progress(
     on_terminal(monkeypatch, False)
     assert main(["eval", str(run), "--data", str(text)]) == 0
     captured = capsys.readouterr()
-    assert captured.err == f"scoring {text}: 1,192 tokens in 149 windows of 8\n"
-    assert "(1,192 tokens scored)" in captured.out
+    assert captured.err == f"scoring best checkpoint on {text}: 1,192 tokens in 149 windows of 8\n"
+    assert "(1,192 tokens scored, the whole of 1,200, in windows of 8)" in captured.out
     for terminal in (True, False):
         on_terminal(monkeypatch, terminal)
         assert main(["eval", str(run), "--data", str(text), "--no-progress"]) == 0

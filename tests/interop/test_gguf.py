@@ -17,7 +17,7 @@ from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import SettingError
 from gptlab.model import GPT
-from gptlab.text.tokenizer import ByteTokenizer, CharTokenizer, ImportedTokenizer, Tokenizer, train_tokenizer
+from gptlab.text.tokenizer import ByteTokenizer, ImportedTokenizer, Tokenizer, train_tokenizer
 
 gguf = pytest.importorskip("gguf")
 from gptlab.interop.gguf import export_gguf, interleave_heads, load_gguf  # noqa: E402
@@ -172,7 +172,7 @@ def test_gpt2_matrices_are_stored_out_by_in(bpe: Tokenizer, make_run: Any, tmp_p
         torch.testing.assert_close(stored[f"blk.0.{name}.weight"], linear.weight.detach(), rtol=0, atol=0)
 
 
-def test_byte_tokenizer_exports_as_bpe_without_merges(make_run: Any, tmp_path: Path) -> None:
+def test_byte_tokenizer_reads_back_as_bytes(make_run: Any, tmp_path: Path) -> None:
     byte = ByteTokenizer()
     run, _ = make_run(byte)
     written = export_gguf(run, tmp_path / "m.gguf")
@@ -184,7 +184,7 @@ def test_byte_tokenizer_exports_as_bpe_without_merges(make_run: Any, tmp_path: P
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"ffn": "gelu_exact"}, "--ffn gelu_exact: llama.cpp's gpt2 graph needs --ffn gelu"),
+        ({"ffn": "relu"}, "--ffn relu: llama.cpp's gpt2 graph needs --ffn gelu"),
         ({"arrangement": "post"}, "use --arrangement pre"),
         ({"positions": "sinusoidal"}, "use --positions learned or --positions rope"),
         ({"positions": "rope", "bias": False, "ffn": "swiglu"}, "--norm layernorm: llama.cpp's llama graph "
@@ -214,15 +214,6 @@ def test_a_vocabulary_llama_cpp_may_split_otherwise_is_refused(make_run: Any, tm
     run, _ = make_run(ImportedTokenizer(hf.to_str(), eos_id=None))
     with pytest.raises(ValueError, match="convert that folder with llama.cpp's convert_hf_to_gguf.py"):
         export_gguf(run, tmp_path / "m.gguf")
-
-
-def test_char_tokenizer_is_refused_with_the_cli_in_one_line(make_run: Any, tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture) -> None:
-    run, _ = make_run(CharTokenizer.train(TEXT))
-    assert main(["export-gguf", str(run), "--out", str(tmp_path / "m.gguf")]) == 2
-    err = capsys.readouterr().err
-    assert "train with a byte or BPE tokenizer" in err and err.count("\n") == 1
-    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_cli_writes_a_file_gguf_reads(bpe: Tokenizer, make_run: Any, tmp_path: Path,

@@ -1,10 +1,12 @@
 """export-hf of char and byte runs (the demo model's kinds): `AutoTokenizer` encodes and decodes exactly as
 gptlab does, and the exported model's greedy text from "ROMEO:" is gptlab's; a kind that cannot be written
-exactly is refused by name, with nothing written.
+exactly is refused by name, with nothing written. Their special tokens (chat markers) are added special tokens
+that `AutoTokenizer` matches as gptlab does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,8 @@ from gptlab.checkpoint import load_run
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import stream_text
 from gptlab.interop.huggingface import export_hf
-from gptlab.text.tokenizer import SymbolTokenizer, Tokenizer, train_tokenizer
+from gptlab.text.chat_template import NativeTemplate
+from gptlab.text.tokenizer import SymbolTokenizer, Tokenizer, tokenizer_from_dict, train_tokenizer
 
 CORPUS = ("ROMEO:\nBut soft, what light through yonder window breaks?\n"
           "It is the east, and Juliet is the sun.\n\n"
@@ -26,9 +29,12 @@ TEXT = "ROMEO:  soft , what light ?\n\n\tJULIET: O Romeo; 'tis thy name . don't!
 PROMPT, NEW_TOKENS = "ROMEO:", 24
 
 
-def exported(kind: str, root: Path) -> tuple[Tokenizer, Path]:
-    """A run of `kind` trained on CORPUS (random weights spread far from their init), exported to root/hf."""
+def exported(kind: str, root: Path, specials: Sequence[str] = ()) -> tuple[Tokenizer, Path]:
+    """A run of `kind` trained on CORPUS (random weights spread far from their init), with `specials` as
+    special tokens, exported to root/hf."""
     tokenizer = train_tokenizer(kind, CORPUS)
+    if specials:
+        tokenizer = tokenizer_from_dict({**tokenizer.to_dict(), "specials": list(specials)})
     config = ModelConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16)
     save_run(root / "run", config, tokenizer)
     export_hf(root / "run", root / "hf")
@@ -88,6 +94,26 @@ def test_greedy_text_from_the_exported_folder_is_gptlabs(kind: str, tmp_path: Pa
                             max_new_tokens=NEW_TOKENS, pad_token_id=0)
     assert hf.decode(out[0]) == ours
     assert len(set(ours[len(PROMPT):])) > 3, "a degenerate model would make this comparison weak"
+
+
+@needs_transformers
+@pytest.mark.parametrize("kind", ["char", "byte"])
+def test_special_tokens_are_added_tokens_that_auto_tokenizer_matches_first_and_longest(kind: str,
+                                                                                      tmp_path: Path) -> None:
+    specials = [*NativeTemplate.special_tokens, "<|e"]
+    tokenizer, folder = exported(kind, tmp_path, specials)
+    hf = auto_tokenizer(folder)
+    first = tokenizer.vocab_size - 5  # the markers follow the kind's own ids, in order
+    added = {i: (t.content, t.special) for i, t in hf.added_tokens_decoder.items()}
+    assert len(hf) == tokenizer.vocab_size and added == {first + i: (t, True) for i, t in enumerate(specials)}
+    user = first + 1
+    assert hf.encode("<|user|>hi") == tokenizer.encode("<|user|>hi") == [user, *tokenizer.encode("hi")]
+    conversation = NativeTemplate().render([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": TEXT}], add_generation_prompt=True)
+    for text in (conversation, "<|end|><|eRomeo<|end|>", "JULIET:<|assistant|><|user|>\n"):
+        ids = tokenizer.encode(text)
+        assert hf.encode(text) == ids and hf.decode(ids) == tokenizer.decode(ids) == text
+    assert tokenizer.encode("<|end|>") == [first + 3]  # "<|end|>" whole, not "<|e" then "nd|>"
 
 
 def test_a_tokenizer_kind_that_cannot_be_written_exactly_is_refused_by_name(tmp_path: Path) -> None:

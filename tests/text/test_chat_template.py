@@ -18,7 +18,7 @@ from gptlab.text.chat_template import (
     template_from_dict,
     template_from_state,
 )
-from gptlab.text.tokenizer import BPETokenizer, CharTokenizer
+from gptlab.text.tokenizer import BPETokenizer, ByteTokenizer, CharTokenizer
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "chat-templates"
 CONVERSATIONS = [
@@ -153,7 +153,16 @@ def test_added_tokens_are_single_ids_and_old_logits_stay(bpe: BPETokenizer, tied
     assert marked[0] == new_ids[1] and new_ids[3] in marked
 
 
-def test_char_tokenizer_cannot_take_new_tokens() -> None:
-    model = GPT(ModelConfig(vocab_size=5, block_size=8, n_layer=1, n_head=1, n_embd=8))
-    with pytest.raises(ValueError, match="char tokenizer cannot take new tokens"):
-        add_chat_tokens(model, CharTokenizer.train("abcde"), NativeTemplate())
+@pytest.mark.parametrize("kind", ["char", "byte"])
+def test_char_and_byte_tokenizers_take_the_markers_as_special_tokens(kind: str) -> None:
+    tokenizer = CharTokenizer.train("abcde\n") if kind == "char" else ByteTokenizer()
+    model = GPT(ModelConfig(vocab_size=tokenizer.vocab_size, block_size=16, n_layer=1, n_head=1,
+                            n_embd=8)).eval()
+    grown, chat = add_chat_tokens(model, tokenizer, NativeTemplate())
+    assert missing_tokens(chat, NativeTemplate()) == []
+    first = tokenizer.vocab_size
+    assert chat.encode("<|user|>\nabc<|end|>\n") == [first + 1, *tokenizer.encode("\nabc"), first + 3,
+                                                    *tokenizer.encode("\n")]
+    ids = torch.tensor([tokenizer.encode("abcde")])  # (1, T)
+    with torch.no_grad():
+        assert torch.equal(grown(ids)[0][..., :first], model(ids)[0])  # old tokens' logits unchanged

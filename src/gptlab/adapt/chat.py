@@ -1,7 +1,7 @@
 """Teaching a model to chat: a Hugging Face folder's chat template, the native template's markers added
-to a tokenizer (`tokenizer_with_tokens`) and to the model's embeddings (`grow_embeddings`), and where
-a conversation's tokenizer and template come from (`chat_source`). The templates are
-`gptlab.text.chat_template`.
+to a tokenizer (`tokenizer_with_tokens`; special tokens of a char or byte one) and to the model's
+embeddings (`gptlab.lora.grow_embeddings`), and where a conversation's tokenizer and template come from
+(`chat_source`). The templates are `gptlab.text.chat_template`.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from gptlab.config import SettingError
 from gptlab.interop import hf_folder
+from gptlab.lora import grow_embeddings
 from gptlab.model import GPT
 from gptlab.text.chat_template import (
     ChatTemplate,
@@ -40,41 +39,25 @@ def load_hf_chat_template(hf_dir: str | Path) -> JinjaTemplate | None:
 
 
 def tokenizer_with_tokens(tokenizer: Tokenizer, tokens: Sequence[str]) -> Tokenizer:
-    """A copy of a bpe, gpt2 or hf tokenizer that encodes each of `tokens` as one new id (appended).
-
-    char and byte tokenizers have no way to hold a multi-character token, so they are refused.
-    """
-    from tokenizers import AddedToken
-    from tokenizers import Tokenizer as HFTokenizer
-
+    """A copy of the tokenizer that encodes each of `tokens` as one new id, appended after its ids: a special
+    token of a char or byte tokenizer, an added token of a bpe, gpt2 or hf one."""
     saved = tokenizer.to_dict()
+    if saved["kind"] in ("char", "byte"):
+        return tokenizer_from_dict({**saved, "specials": [*saved.get("specials", []), *tokens]})
     if saved["kind"] == "gpt2":  # tiktoken's ranks as the same BPE in Hugging Face's format, which can grow
         from gptlab.interop.hf_tokenizer import hf_tokenizer_json
 
         saved = {"kind": "bpe", "json": hf_tokenizer_json(saved)}
     if saved["kind"] not in ("bpe", ImportedTokenizer.kind):
-        raise SettingError(f"the {saved['kind']} tokenizer cannot take new tokens such as {tokens[0]!r} (its "
-                           "ids are single characters or bytes): fine-tune a run trained with {t} bpe, or "
-                           'use {"text"} or {"prompt", "completion"} examples, which need no chat template',
-                           t="tokenizer")
+        raise SettingError(f"the {saved['kind']} tokenizer cannot take new tokens such as {tokens[0]!r}: "
+                           "fine-tune a run trained with {t} char, byte or bpe, or use {\"text\"} or "
+                           '{"prompt", "completion"} examples, which need no chat template', t="tokenizer")
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
     hf = HFTokenizer.from_str(saved["json"])
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
     return tokenizer_from_dict({**saved, "json": hf.to_str()})
-
-
-def grow_embeddings(model: GPT, new_ids: Sequence[int], mean_of: int) -> GPT:
-    """A model whose embedding (and untied head) has a row for each of `new_ids`, set to the mean of the
-    first `mean_of` rows (the old tokenizer's ids); every other row is unchanged, so are old ids' logits."""
-    config = model.config.replace(vocab_size=max(model.config.vocab_size, max(new_ids) + 1))
-    state = model.state_dict()
-    for name in ("transformer.wte.weight", "lm_head.weight"):  # the same tensor twice when tied
-        old = state[name]  # (V_old, D)
-        rows = torch.cat([old, old.new_zeros(config.vocab_size - old.size(0), old.size(1))])  # (V, D)
-        rows[list(new_ids)] = old[:mean_of].mean(dim=0)
-        state[name] = rows
-    grown = GPT(config).to(device=old.device, dtype=old.dtype)
-    grown.load_state_dict(state)
-    return grown.train(model.training)
 
 
 def add_chat_tokens(model: GPT, tokenizer: Tokenizer, template: ChatTemplate) -> tuple[GPT, Tokenizer]:
@@ -83,8 +66,12 @@ def add_chat_tokens(model: GPT, tokenizer: Tokenizer, template: ChatTemplate) ->
     if not missing:
         return model, tokenizer
     grown = tokenizer_with_tokens(tokenizer, missing)
-    new_ids = [int(grown.encode_array(t)[0]) for t in missing]
-    return grow_embeddings(model, new_ids, mean_of=tokenizer.vocab_size), grown
+    return grow_embeddings(model, token_ids(grown, missing), mean_of=tokenizer.vocab_size), grown
+
+
+def token_ids(tokenizer: Tokenizer, tokens: Sequence[str]) -> list[int]:
+    """The one id each of `tokens` encodes as (each must be a single id of the tokenizer)."""
+    return [int(tokenizer.encode_array(t)[0]) for t in tokens]
 
 
 @dataclass

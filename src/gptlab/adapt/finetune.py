@@ -10,9 +10,11 @@ What a fine-tuned run records in its checkpoint state, beside the training count
     "base"           the base run's checkpoint file
     "chat_template"  the template its examples were rendered with (so chat and serve render the same)
     "generation"     the base's sampling defaults, when it had any (an import's generation_config.json)
-    "lora"           with --lora: the LoraConfig, the base file and its SHA-256; the checkpoint then holds
-                     only the adapter tensors, and `Checkpoint.build_model` puts them on the base, refusing
-                     a base whose file has changed since (checkpoint.ADAPTER)
+    "lora"           with --lora: the LoraConfig, the base file and its SHA-256, and "new_rows" when chat
+                     markers were added (their ids, and how many old rows their start is the mean of); the
+                     checkpoint then holds only the adapter tensors (and those rows), and
+                     `Checkpoint.build_model` puts them on the base, refusing a base whose file has changed
+                     since (checkpoint.ADAPTER)
 `merge_run` folds the adapters into the weights and writes a normal run.
 """
 
@@ -26,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gptlab.adapt.chat import add_chat_tokens
+from gptlab.adapt.chat import add_chat_tokens, token_ids
 from gptlab.adapt.options import SFTConfig
 from gptlab.adapt.sft import Example, collate, load_examples, read_records
 from gptlab.checkpoint import (
@@ -44,9 +46,9 @@ from gptlab.checkpoint import (
     save_checkpoint,
 )
 from gptlab.common import seed_everything
-from gptlab.config import SettingError, TrainConfig
+from gptlab.config import TrainConfig
 from gptlab.files import file_sha256
-from gptlab.lora import LoraConfig, add_lora, merge_lora, trainable_parameters
+from gptlab.lora import LoraConfig, add_lora, add_trainable_tokens, merge_lora, trainable_parameters
 from gptlab.model import GPT
 from gptlab.text.chat_template import ChatTemplate, missing_tokens, template_from_state
 from gptlab.text.tokenizer import Tokenizer
@@ -168,29 +170,31 @@ def base_checkpoint(base: str | Path) -> Checkpoint:
 
 
 def prepare_model(start: Checkpoint, data_path: str | Path, lora: LoraConfig | None,
-                  seed: int) -> tuple[GPT, Tokenizer, ChatTemplate, list[str]]:
+                  seed: int) -> tuple[GPT, Tokenizer, ChatTemplate, list[str], dict[str, Any] | None]:
     """The base model ready to fine-tune (chat markers added when the data needs them, adapters on with
-    `lora`), its tokenizer, the chat template and notes for the user."""
+    `lora`), its tokenizer, the chat template, notes for the user, and the markers' new rows when they
+    train under LoRA ({"ids", "mean_of"}, as `checkpoint.adapted_model` rebuilds them; else None)."""
     model, tokenizer = start.build_gpt(), start.load_tokenizer()
-    template = template_from_state(start.state)
-    notes = []
+    template, mean_of = template_from_state(start.state), tokenizer.vocab_size
+    notes: list[str] = []
     shape, _ = read_records(data_path)
-    if shape == "messages" and missing_tokens(tokenizer, template):
-        if lora is not None:
-            markers = ", ".join(missing_tokens(tokenizer, template))
-            raise SettingError(f"the chat template's markers {markers} are not in the base's vocabulary, and "
-                               "{lora} keeps the embedding frozen: fine-tune without {lora}, or use "
-                               "prompt/completion examples", lora="lora")
-        missing = missing_tokens(tokenizer, template)
+    missing = missing_tokens(tokenizer, template) if shape == "messages" else []
+    if missing:
         model, tokenizer = add_chat_tokens(model, tokenizer, template)
         notes.append(f"added {', '.join(missing)} to the tokenizer as new ids, their embedding rows the "
                      "mean of the others")
-    if lora is not None:
-        seed_everything(seed)  # the adapters' A matrices are drawn from this seed
-        add_lora(model, lora)
-        notes.append(f"LoRA r={lora.r}: {trainable_parameters(model):,} of "
-                     f"{sum(p.numel() for p in model.parameters()):,} parameters train")
-    return model, tokenizer, template, notes
+    if lora is None:
+        return model, tokenizer, template, notes, None
+    seed_everything(seed)  # the adapters' A matrices are drawn from this seed
+    add_lora(model, lora)
+    new_rows: dict[str, Any] | None = None
+    if missing:  # the markers' rows train too; every other row of the embedding stays frozen
+        new_rows = {"ids": token_ids(tokenizer, missing), "mean_of": mean_of}
+        add_trainable_tokens(model, new_rows["ids"])
+    rows = f" and the {len(missing)} new tokens' rows" if missing else ""
+    notes.append(f"LoRA r={lora.r}{rows}: {trainable_parameters(model):,} of "
+                 f"{sum(p.numel() for p in model.parameters()):,} parameters train")
+    return model, tokenizer, template, notes, new_rows
 
 
 def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config: TrainConfig,
@@ -200,13 +204,13 @@ def finetune(base: str | Path, out: str | Path, config: SFTConfig, train_config:
     the result, the data source and the notes for the user (both logged before step 0)."""
     out, start = Path(out), base_checkpoint(base)
     config = config.replace(data=str(Path(config.data).resolve()))
-    model, tokenizer, template, notes = prepare_model(start, config.data, lora, train_config.seed)
+    model, tokenizer, template, notes, new_rows = prepare_model(start, config.data, lora, train_config.seed)
     base_file = str(resolve_checkpoint(base).resolve())
     record = {"base": base_file, "chat_template": template.to_dict(),
               **{key: start.state[key] for key in ("generation",) if key in start.state}}
     if lora is not None:
         record[ADAPTER] = {"base": base_file, "base_sha256": file_sha256(Path(base_file)),
-                           "config": lora.to_dict()}
+                           "config": lora.to_dict(), **({"new_rows": new_rows} if new_rows else {})}
     data = SFTData(config, tokenizer, template, model.config.block_size, record)
     with run_folder(out, new=True), distributed.session(train_config.device) as (dist, device):
         announce(data, notes)

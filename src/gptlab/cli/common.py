@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 import typing
@@ -105,12 +106,27 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Confi
                                default=argparse.SUPPRESS, help=help_text)
         else:
             kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)  # X | None -> X
+            if typing.get_origin(kind) is dict:  # a mapping (logit_bias), given as one JSON object
+                group.add_argument(*flags, dest=field.name, type=json_object, metavar="JSON",
+                                   default=argparse.SUPPRESS, help=help_text)
+                continue
             choices = field.metadata.get("choices")
             group.add_argument(
                 *flags, dest=field.name, type=kind, choices=choices,
                 metavar="{" + ",".join(choices) + "}" if choices else kind.__name__.upper(),
                 default=argparse.SUPPRESS, help=help_text,
             )
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An option's value read as a JSON object (`--logit-bias '{"0": -100}'`), else argparse's error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object such as '{{\"0\": -100}}'")
+    return value
 
 
 def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict[str, Any]:
@@ -140,6 +156,13 @@ def report_run(result: Any, out: Path, evaluate: Callable[[], str] | None = None
              "metrics.csv", "steps.csv", "loss.png", "tensorboard", "wandb"]  # shards and --log's: folders
     kept = [f"{name}/" if (out / name).is_dir() else name for name in names if (out / name).exists()]
     print(f"run folder: {out} ({', '.join(kept)})")
+
+
+def note_long_prompt(tokens: int, block_size: int) -> None:
+    """Say on stderr that a prompt of `tokens` tokens is read only from its last `block_size` (sample,
+    attention and ablate keep the end of a prompt longer than the context window; serve refuses it)."""
+    print(f"note: the prompt is {tokens:,} tokens, more than the model's context window of {block_size:,}: "
+          f"only its last {block_size:,} are read", file=sys.stderr)
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:

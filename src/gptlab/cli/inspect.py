@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.common import add_device_option, check_out
+from gptlab.cli.common import add_device_option, check_out, note_long_prompt
 from gptlab.config import DETECTORS, DTYPES
 
 
@@ -21,6 +21,21 @@ def load_prompt(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     return model, tokenizer, encode_prompt(tokenizer, args.prompt, model.config.block_size)
 
 
+def load_prompt_end(args: argparse.Namespace) -> tuple[Any, Any, list[int], str]:
+    """As load_prompt, for a command that names no position: the ids of the last block_size tokens of a
+    longer `args.prompt` (after a note saying so) and their text."""
+    from gptlab.checkpoint import load_run
+    from gptlab.common import resolve_device
+    from gptlab.inspection.tokens import prompt_window
+
+    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    ids, left_out = prompt_window(tokenizer, args.prompt, model.config.block_size)
+    if not left_out:
+        return model, tokenizer, ids, args.prompt
+    note_long_prompt(len(ids) + left_out, len(ids))
+    return model, tokenizer, ids, tokenizer.decode(ids)
+
+
 def cmd_attention(args: argparse.Namespace) -> int:
     """Draw a prompt's attention weights as a PNG grid or an interactive HTML page."""
     from gptlab.checkpoint import checkpoint_architecture
@@ -32,8 +47,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
     check_out(out, args.force)
     if checkpoint_architecture(args.run) == "encoder-decoder":
         return draw_cross_attention(args, out)
-    model, tokenizer, ids = load_prompt(args)
-    maps = attention_maps(model, tokenizer, args.prompt, ids, args.layer, args.head)
+    model, tokenizer, ids, prompt = load_prompt_end(args)
+    maps = attention_maps(model, tokenizer, prompt, ids, args.layer, args.head)
     if out.suffix.lower() == ".png":
         save_attention_png(maps, out)
     else:
@@ -69,7 +84,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if Path(args.out).suffix.lower() != ".png":
         raise ValueError(f"--out {args.out} must end in .png: the heatmap is written as a PNG picture")
     check_out(Path(args.out), args.force)
-    model, tokenizer, ids = load_prompt(args)
+    model, tokenizer, ids, _ = load_prompt_end(args)
     target = None if args.target is None else encode_token(tokenizer, args.target, "--target")
     result = ablate_heads(model, ids, target)
     label = token_label(tokenizer, result.target)
@@ -295,13 +310,16 @@ def add_inspect_commands(sub: Any) -> None:
         add(sub)
 
 
-def command(sub: Any, name: str, help: str, description: str, prompt: bool = True) -> argparse.ArgumentParser:
-    """An inspection command's parser: the run, --prompt (unless `prompt` is False) and --device."""
+def command(sub: Any, name: str, help: str, description: str,
+            prompt: str = "refused") -> argparse.ArgumentParser:
+    """An inspection command's parser: the run, --prompt and --device. A prompt longer than the context
+    window is `prompt`: "refused" (the command names positions in it), "cropped" or "none" (no --prompt)."""
     parser = sub.add_parser(name, help=help, description=description)
     parser.add_argument("run", help="run folder or checkpoint file (from gptlab train or import-hf)")
-    if prompt:
-        parser.add_argument("--prompt", required=True,
-                            help="the text to inspect; at most block_size tokens, never cropped")
+    if prompt != "none":
+        longer = ("at most block_size tokens, never cropped: positions are named in it" if prompt == "refused"
+                  else "a longer one is read from its last block_size tokens, and a note says so")
+        parser.add_argument("--prompt", required=True, help=f"the text to inspect; {longer}")
     add_device_option(parser)
     return parser
 
@@ -315,7 +333,7 @@ def add_attention_command(sub: Any) -> None:
                  "see where it attends and what the model predicts next. The forward pass keeps the fast "
                  "kernel; the weights are recomputed only for the layers and heads drawn. For a seq2seq run "
                  "(gptlab seq2seq train), --prompt is the source and FILE.png shows cross-attention: rows "
-                 "are the answer's tokens, columns the source's.")
+                 "are the answer's tokens, columns the source's.", prompt="cropped")
     at.add_argument("--out", required=True, metavar="FILE.png|FILE.html", help="the picture or page to write")
     at.add_argument("--force", action="store_true", help=FORCE)
     at.add_argument("--layer", type=int, help="draw only this layer (default: all)")
@@ -329,7 +347,7 @@ def add_ablate_command(sub: Any) -> None:
                  "For every head, remove it and report the change in log p(target) after the prompt's "
                  "last token: zero ablation sets the head's output (its slice of W_O's input) to zero; "
                  "mean ablation sets it to its mean over the prompt's positions. Prints a sorted table and "
-                 "writes a layer x head heatmap of both.")
+                 "writes a layer x head heatmap of both.", prompt="cropped")
     ab.add_argument("--target", help="the next token to score, as text that is exactly one token "
                     "(default: the model's own top prediction)")
     ab.add_argument("--sort", choices=("zero", "mean"), default="zero",
@@ -368,7 +386,7 @@ def add_verify_command(sub: Any) -> None:
                  "with the run's chat template giving the ids trained on. On a seq2seq "
                  "run: rows (cross-attention too), padding ignored exactly, decoder causality, every "
                  "target position reading every source token, cached = recomputed decoding, tying. Exits "
-                 "1 if any fails.", prompt=False)
+                 "1 if any fails.", prompt="none")
     ve.add_argument("--seed", type=int, default=0, help="seed of the random test prompts (default 0)")
     ve.add_argument("--dtype", choices=DTYPES, default="float32",
                     help="check the model in this precision; bfloat16 adds its logits' difference to "
@@ -399,7 +417,7 @@ def add_patch_command(sub: Any) -> None:
                  "with one value taken from the clean run: the residual stream at each (stage, position), "
                  "and each head's output at every position. Reports the share of the logit difference "
                  "logit(target) - logit(foil) after the last token that each patch restores (0: none, 1: "
-                 "all) as tables and heatmaps.", prompt=False)
+                 "all) as tables and heatmaps.", prompt="none")
     pa.add_argument("--clean", required=True, help="the prompt whose prediction is studied")
     pa.add_argument("--corrupt", required=True, help="the same prompt changed where the prediction "
                     "should depend on it; it must tokenize to the same length")
@@ -422,7 +440,7 @@ def add_heads_command(sub: Any) -> None:
                  "writes a layer x head heatmap per detector. --ablate adds the causal test: the change in "
                  "the loss on the repeats when each head is zeroed. --history plots the scores a run "
                  "recorded at every evaluation (gptlab train --track-heads) beside its losses.",
-                 prompt=False)
+                 prompt="none")
     he.add_argument("--sort", choices=DETECTORS, default="induction", help="the score that orders the table")
     he.add_argument("--layer", type=int, help="only this layer (default: all)")
     he.add_argument("--head", type=int, help="only this head (default: all)")

@@ -22,7 +22,7 @@ from gptlab.cli.common import (
 from gptlab.cli.sample import print_samples
 from gptlab.config import CORPORA, TOKENIZERS, ModelConfig, SamplingConfig, TrainConfig
 
-EVAL_TOKENS = 2**18  # the final evaluation after training scores at most this many tokens
+SAMPLES = "samples.txt"  # the samples printed after training, kept in the run folder
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -46,8 +46,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     data, and only rank 0 prints.
     """
     from gptlab.checkpoint import LAST, has_checkpoint
-    from gptlab.evaluation.heldout import evaluation_line
+    from gptlab.common import on_terminal
     from gptlab.training import distributed
+    from gptlab.training.final import final_evaluation
     from gptlab.training.loop import train
     from gptlab.training.presets import resolve_configs
     from gptlab.training.resume import resume_as_given
@@ -83,13 +84,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not is_main:
         return result.exit_status
     # One validation number: a finished run's best checkpoint scored on its val split in order (more
-    # tokens than the sampled batches that chose it); an interrupted run reports that estimate.
+    # tokens than the sampled batches that chose it), the line `gptlab eval RUN` prints; an interrupted
+    # run reports that estimate. The scoring says what it does first, and draws a bar on a terminal.
+    bar = not args.no_progress and on_terminal()
     report_run(result, out, None if result.interrupted else
-               lambda: f"best checkpoint on the {evaluation_line(out, 'val', max_tokens=EVAL_TOKENS)}")
+               lambda: final_evaluation(out, bar, lambda line: print(line, flush=True)).line())
     if result.interrupted:
         return result.exit_status
-    if args.samples:
-        print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu")
+    if args.samples:  # kept beside the run as printed: the same command again writes them again
+        print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu",
+                      save=out / SAMPLES)
+        print(f"(these samples are saved in {out / SAMPLES})")
     if args.link:
         print_next_commands(out, Path(args.link))
     return 0
@@ -177,7 +182,8 @@ def add_train_commands(sub: Any) -> None:
     add_run_options(tr)
     tr.add_argument("--init-from", metavar="RUN", help="fine-tune: start from this run's (or an imported "
                     "model's) weights and architecture, tokenizing --data with its tokenizer")
-    tr.add_argument("--samples", type=int, default=2, help="samples printed after training (default 2)")
+    tr.add_argument("--samples", type=int, default=2, help=f"samples printed after training and saved in "
+                    f"OUT/{SAMPLES} (default 2)")
     tr.add_argument("--link", metavar="PATH", help="when the run finishes, point the symlink PATH at it "
                     "(replacing an older link at once), then print the run's path and the next commands on "
                     "PATH (make demo keeps runs/demo so)")

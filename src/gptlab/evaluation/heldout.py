@@ -1,10 +1,10 @@
 """Held-out evaluation: mean next-token loss, perplexity and bits per character, of a model on tokens
-(`evaluate_tokens`) or of a run on its own split or any text (`evaluation_line`, what `gptlab eval` and the
-end of `gptlab train` print)."""
+(`evaluate_tokens`) or of a run on its own split or any text (`evaluate_run`). By default a run is scored on
+the first EVAL_TOKENS tokens, in order, in consecutive windows: `gptlab eval RUN` and the end of `gptlab
+train` (gptlab.training.final) score the same ones and print the same line."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from gptlab.checkpoint import data_folder, load_for_inference, load_header
+from gptlab.checkpoint import Checkpoint, data_folder, load_for_inference, load_header
 from gptlab.common import autocast, resolve_device
 from gptlab.data.corpora import load_text
 from gptlab.data.tokens import TokenData
@@ -79,38 +79,104 @@ def evaluate_tokens(
     return Evaluation(loss=total / x.numel(), tokens=x.numel())
 
 
-def evaluation_line(run: str | Path, data: str, max_tokens: int | None, dtype: str = "float32",
-                    quantize: str = "none", device: str = "cpu", progress: bool = False,
-                    announce: Callable[[str], None] | None = None) -> str:
-    """Evaluate a run's best checkpoint on `data` (train, val, a prepared folder's val split, or any
-    text) on `device`, its weights held as `dtype` and `quantize` say (gptlab.quantize), and describe
-    the result in one line; `progress` draws a bar of the batches, `announce` is given a line before them."""
-    model, tokenizer = load_for_inference(run, resolve_device(device), dtype, quantize)
-    checkpoint = load_header(run)
+# What `gptlab eval` and the end of `gptlab train` score unless told otherwise: the first this many tokens of
+# the text, so that the two print the same figure in seconds on a CPU (a demo's val split holds about twice
+# as many; `gptlab eval --all` scores every one).
+EVAL_TOKENS = 2**18
+
+
+def scored_tokens(available: int, window: int, max_tokens: int | None) -> int:
+    """How many of `available` tokens `evaluate_tokens` scores: whole windows over the first `max_tokens`
+    targets (every target when None)."""
+    targets = available - 1 if max_tokens is None else min(available - 1, max_tokens)
+    return max(targets, 0) // window * window
+
+
+@dataclass(frozen=True)
+class HeldOutText:
+    """A text to score a run on: its name in a report, its tokens, and its characters when known."""
+
+    name: str  # "the val split", or what the user gave
+    tokens: np.ndarray
+    characters: int | None
+
+
+def held_out_text(run: str | Path, data: str, header: Checkpoint) -> HeldOutText:
+    """The tokens of `data` for the run whose checkpoint `header` is: its train or val split, a prepared
+    folder's val split, or any text encoded with the run's tokenizer."""
     if data in ("train", "val") or (Path(data) / "meta.json").is_file():
         own = data in ("train", "val")
-        folder = data_folder(Path(checkpoint.source).parent, checkpoint.state) if own else Path(data)
+        folder = data_folder(Path(header.source).parent, header.state) if own else Path(data)
         prepared = TokenData(folder)
-        if prepared.tokenizer.to_dict() != checkpoint.tokenizer:
+        if prepared.tokenizer.to_dict() != header.tokenizer:
             raise ValueError(f"{folder} was prepared with another tokenizer than {run}'s: give its own "
                              "prepared folder, or a text file")
         split = data if own else "val"
         tokens = prepared.split(split)
-        characters = len(tokens) if tokenizer.kind == "char" else None
-        name = f"{split} split"
-    else:
-        text = load_text(data)
-        tokens = tokenizer.encode_array(text)
-        characters = len(text)
-        name = data
-    block = model.config.block_size
-    windows = (len(tokens) - 1 if max_tokens is None else min(len(tokens) - 1, max_tokens)) // block
-    if announce is not None and windows > 0:  # else evaluate_tokens refuses the text or max_tokens
-        announce(f"scoring {name}: {windows * block:,} tokens in {windows:,} windows of {block}")
-    result = evaluate_tokens(model, tokens, max_tokens=max_tokens, progress=progress)
-    if characters:  # scale to the characters actually scored
-        scored = round(characters * result.tokens / max(1, len(tokens) - 1))
-        result = dataclasses.replace(result, characters=scored)
-    bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
-    return (f"{name}: loss {result.loss:.4f} nats per token, perplexity {result.perplexity:.3f}{bpc} "
-            f"({result.tokens:,} tokens scored)")
+        characters = len(tokens) if prepared.tokenizer.kind == "char" else None  # one token per character
+        return HeldOutText(f"the {split} split", tokens, characters)
+    text = load_text(data)
+    return HeldOutText(data, header.load_tokenizer().encode_array(text), len(text))
+
+
+def checkpoint_label(header: Checkpoint) -> str:
+    """How a report names a checkpoint: "best checkpoint (step 1300)", from its file's name and step."""
+    step = header.state.get("step")
+    name = f"{Path(header.source).name.split('.')[0]} checkpoint"  # best.safetensors, best.shards.json
+    return name if step is None else f"{name} (step {step})"
+
+
+@dataclass(frozen=True)
+class RunEvaluation:
+    """One checkpoint scored on one text: what `gptlab eval` and the end of `gptlab train` print."""
+
+    checkpoint: str  # checkpoint_label's name for it
+    text: str  # HeldOutText.name
+    available: int  # the text's tokens, of which `result.tokens` were scored
+    window: int  # the tokens are scored in consecutive windows of the model's block_size
+    result: Evaluation
+
+    def line(self) -> str:
+        """The one line that reports it, saying what was scored: the whole text or its first tokens."""
+        result = self.result
+        bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
+        whole = result.tokens == scored_tokens(self.available, self.window, None)
+        which = "the whole" if whole else "the first"
+        return (f"{self.checkpoint} on {self.text}: loss {result.loss:.4f} nats per token, perplexity "
+                f"{result.perplexity:.3f}{bpc} ({result.tokens:,} tokens scored, {which} of "
+                f"{self.available:,}, in windows of {self.window})")
+
+
+def described(header: Checkpoint, text: HeldOutText, max_tokens: int | None, loss: float) -> RunEvaluation:
+    """The report of `loss`, the checkpoint's loss on the first `max_tokens` tokens of `text` (all: None)."""
+    window = header.model_config.block_size
+    scored = scored_tokens(len(text.tokens), window, max_tokens)
+    # Characters scale with the tokens actually scored.
+    characters = round(text.characters * scored / max(1, len(text.tokens) - 1)) if text.characters else None
+    return RunEvaluation(checkpoint_label(header), text.name, len(text.tokens), window,
+                         Evaluation(loss, scored, characters))
+
+
+def evaluate_run(run: str | Path, data: str = "val", max_tokens: int | None = EVAL_TOKENS,
+                 dtype: str = "float32", quantize: str = "none", device: str = "cpu", progress: bool = False,
+                 announce: Callable[[str], None] | None = None) -> RunEvaluation:
+    """Score a run's best checkpoint on the first `max_tokens` tokens (all: None) of `data` (train, val, a
+    prepared folder's val split, or any text) on `device`, its weights held as `dtype` and `quantize`
+    say (gptlab.quantize); `progress` draws a bar of the batches, `announce` is given a line before them."""
+    model, _ = load_for_inference(run, resolve_device(device), dtype, quantize)
+    header = load_header(run)
+    text = held_out_text(run, data, header)
+    window = model.config.block_size
+    scored = scored_tokens(len(text.tokens), window, max_tokens)
+    if announce is not None and scored > 0:  # else evaluate_tokens refuses the text or max_tokens
+        announce(f"scoring {checkpoint_label(header)} on {text.name}: {scored:,} tokens in "
+                 f"{scored // window:,} windows of {window}")
+    result = evaluate_tokens(model, text.tokens, max_tokens=max_tokens, progress=progress)
+    return described(header, text, max_tokens, result.loss)
+
+
+def evaluation_line(run: str | Path, data: str = "val", max_tokens: int | None = EVAL_TOKENS,
+                    dtype: str = "float32", quantize: str = "none", device: str = "cpu",
+                    progress: bool = False, announce: Callable[[str], None] | None = None) -> str:
+    """`evaluate_run`'s report in one line."""
+    return evaluate_run(run, data, max_tokens, dtype, quantize, device, progress, announce).line()

@@ -5,7 +5,8 @@ template (adapt/finetune.py); an adapter run (`--lora`) also records its base ru
 - merged = unmerged: the logits after folding (alpha / r) B A into W match the adapted model's, within
   verify's float tolerance (the sum W x + s B A x is rounded in another order once merged);
 - adapters disabled = base: with every LoRA layer off, the logits equal those of the base run loaded on
-  its own, bit for bit (torch.equal): the base is untouched and the adapters are all of the change;
+  its own, bit for bit (torch.equal): the base is untouched and the adapters are all of the change (for
+  tokens the run added, the base grown as fine-tuning grew it, their rows the mean of the others);
 - masks: the run's examples, rebuilt from its data file exactly as fine-tuning built them, each checked
   by `adapt.sft.mask_problems` (the bytes each token spells against the trained text's byte ranges);
 - template round trip: every conversation rendered again with the run's saved template, as `gptlab chat`
@@ -33,7 +34,7 @@ from gptlab.adapt.sft import Example, load_examples, mask_problems, read_records
 from gptlab.checkpoint import ADAPTER, Checkpoint, load_checkpoint
 from gptlab.handout import properties as checks
 from gptlab.handout.verify import evaluating
-from gptlab.lora import adapters_disabled, lora_layers, merge_lora
+from gptlab.lora import adapters_disabled, grow_embeddings, lora_layers, merge_lora
 from gptlab.model import GPT
 from gptlab.text.chat_template import ChatTemplate, template_from_state
 from gptlab.text.tokenizer import Tokenizer
@@ -83,7 +84,11 @@ def lora_checks(model: GPT, state: Mapping[str, Any], idx: torch.Tensor, eps: fl
     if ADAPTER not in state:
         note = "full fine-tuning: no adapters, every weight was trained"
         return [checks.Check(LORA, MERGED, None, note=note), checks.Check(LORA, DISABLED, None, note=note)]
-    base = load_checkpoint(state[ADAPTER]["base"]).build_gpt().to(idx.device).eval()
+    base = load_checkpoint(state[ADAPTER]["base"]).build_gpt()
+    new_rows = state[ADAPTER].get("new_rows")  # tokens the run added: the base with their first rows
+    if new_rows is not None:
+        base = grow_embeddings(base, new_rows["ids"], new_rows["mean_of"])
+    base = base.to(idx.device).eval()
     return [check_merge(model, idx, eps), check_disabled(model, base, idx)]
 
 

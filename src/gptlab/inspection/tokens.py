@@ -1,8 +1,10 @@
 """Prompts, single tokens and positions as the inspection commands take them, with one-line errors.
 
-Every inspection works on token positions of one prompt, so a prompt must fit the model's context
-window (it is not cropped: cropping would shift every position the user names), a replacement must
-be exactly one token, and a position may count from the end as in Python (-1 is the last token).
+A command that names token positions of its prompt (intervene, lens, patch) needs the prompt to fit
+the model's context window (`encode_prompt`: cropping would shift every position the user names); one
+that names none (attention, ablate) reads the last block_size tokens of a longer one, as sampling does,
+and says so (`prompt_window`). A replacement must be exactly one token, and a position may count from
+the end as in Python (-1 is the last token).
 """
 
 from __future__ import annotations
@@ -16,15 +18,23 @@ from gptlab.text.tokenizer import Tokenizer
 VISIBLE = {" ": "\u2423", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, option: str = "prompt") -> list[int]:
-    """The token ids of `prompt`, refusing an empty prompt or one longer than the context window;
-    `option` names the argument in errors (a SettingError setting)."""
+def prompt_window(tokenizer: Tokenizer, prompt: str, block_size: int,
+                  option: str = "prompt") -> tuple[list[int], int]:
+    """The token ids of `prompt`'s last block_size tokens, and how many tokens before them were left out
+    (0 when it fits); an empty prompt is refused, `option` naming the argument (a SettingError setting)."""
     ids = tokenizer.encode(prompt)
     if not ids:
         raise SettingError("{o} encodes to no tokens: give a non-empty prompt", o=option)
-    if len(ids) > block_size:
-        raise SettingError(f"{{o}} is {len(ids)} tokens but the model sees at most block_size={block_size}: "
-                           "shorten the prompt", o=option)
+    return ids[-block_size:], max(0, len(ids) - block_size)
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str, block_size: int, option: str = "prompt") -> list[int]:
+    """The token ids of `prompt`, refusing an empty prompt or one longer than the context window;
+    `option` names the argument in errors (a SettingError setting)."""
+    ids, left_out = prompt_window(tokenizer, prompt, block_size, option)
+    if left_out:
+        raise SettingError(f"{{o}} is {len(ids) + left_out} tokens but the model sees at most "
+                           f"block_size={block_size}: shorten the prompt", o=option)
     return ids
 
 

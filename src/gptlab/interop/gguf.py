@@ -15,15 +15,16 @@ pairs (2i, 2i + 1) where gptlab and Hugging Face rotate (i, i + hs/2), so the ro
 head are interleaved on the way out (`interleave_heads`) and back on the way in. Qwen2's graph rotates
 halves, so its rows are written as they are.
 
-Whatever llama.cpp cannot compute as gptlab does is refused with one line naming the option and the
-nearest exportable setting (`export_problems`). Types: f32 is exact; f16 and q8_0 keep vectors (norms,
-biases) in f32, as llama.cpp's converter does, and q8_0 writes a matrix in f16 when its rows are not a
-multiple of 32 values (q8_0's block).
+Whatever llama.cpp cannot compute as gptlab does is refused with one line naming every such setting and
+the nearest exportable one (`export_problems`, the tokenizer's `gguf_vocab`, and for the exact GELU, which
+the gpt2 graph computes in its tanh form, the measurement of `gguf_gelu`). The tokenizer is written by
+`gguf_vocab` (char and byte ones as llama.cpp's rwkv vocabulary). Types: f32 is exact; f16 and q8_0 keep
+vectors (norms, biases) in f32, as llama.cpp's converter does, and q8_0 writes a matrix in f16 when its rows
+are not a multiple of 32 values (q8_0's block).
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,23 +45,24 @@ from gptlab.checkpoint import (
 from gptlab.common import need
 from gptlab.config import ModelConfig, SettingError
 from gptlab.files import atomic_write, remove_abandoned_temporaries
+from gptlab.interop.gguf_gelu import gelu_check
+from gptlab.interop.gguf_vocab import GGUFVocab, gguf_vocab, read_vocab, tokenizer_from_vocab, write_vocab
 from gptlab.interop.gpt2 import from_gpt2_state, to_gpt2_state
-from gptlab.interop.hf_tokenizer import byte_level_bpe, byte_to_unicode, hf_tokenizer_json
 from gptlab.interop.llama import from_llama_state, to_llama_state
 from gptlab.interop.shapes import expected_shapes
 from gptlab.model import GPT
-from gptlab.text.tokenizer import EOT, Tokenizer, tokenizer_from_dict
+from gptlab.text.tokenizer import Tokenizer, tokenizer_from_dict
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 SOURCE_KEY = "gptlab.source"  # the checkpoint a file was exported from: only its own export is replaced
-PRE_TOKENIZER = "gpt-2"  # llama.cpp's name for GPT-2's split pattern, the one gptlab's byte-level kinds use
 CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
 # gptlab's native chat template (gptlab.text.chat_template.NativeTemplate) in Jinja, for llama.cpp's chat
 # mode.
 NATIVE_JINJA = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-# What each graph needs of a gptlab ModelConfig: field -> (value, why). Neither graph has the GPU-speedrun
-# options that change the function (zero_init changes only the start, so it exports).
+# What each graph needs of a gptlab ModelConfig: field -> value. Neither graph has the GPU-speedrun options
+# that change the function (zero_init changes only the start, so it exports). gpt2's ffn may also be
+# gelu_exact, measured at export (gguf_gelu).
 SPEEDRUN_OFF = {"qk_norm": False, "logit_softcap": 0.0, "unet": False}
 GPT2_GRAPH = {"norm": "layernorm", "ffn": "gelu", "tied": True, **SPEEDRUN_OFF}
 LLAMA_GRAPH = {"norm": "rmsnorm", "ffn": "swiglu", "bias": False, **SPEEDRUN_OFF}
@@ -110,11 +112,10 @@ def export_problems(config: ModelConfig) -> list[str]:
         problems.append(f"{{not_causal}}: {where} are causal: use {{causal}}")
     for name, wanted in needs.items():
         value = getattr(config, name)
-        if value != wanted:
-            exact = value == "gelu_exact" and graph == "gpt2"
-            detail = " (llama.cpp's gpt2 graph computes the tanh GELU)" if exact else ""
+        measured = graph == "gpt2" and value == "gelu_exact"  # gguf_gelu decides at export
+        if value != wanted and not measured:
             problems.append(f"{_setting(name, value)}: llama.cpp's {graph} graph needs "
-                            f"{_setting(name, wanted)}{detail}")
+                            f"{_setting(name, wanted)}")
     if graph == "gpt2" and config.kv_heads != config.n_head:
         problems.append(f"{{n_kv_head}} {config.n_kv_head}: llama.cpp's gpt2 graph gives every head its keys "
                         "and values: leave {n_kv_head} out (or use the llama shape: {positions} rope)")
@@ -122,14 +123,32 @@ def export_problems(config: ModelConfig) -> list[str]:
 
 
 def gguf_arch(config: ModelConfig) -> str:
-    """llama.cpp's architecture for this config (gpt2, llama or qwen2), or a ValueError listing the fixes."""
-    problems = export_problems(config)
-    if problems:
-        raise SettingError(f"llama.cpp cannot run this model as gptlab does: {'; '.join(problems)}",
-                           **_fields(problems))
+    """llama.cpp's architecture for a config without export_problems: gpt2, llama or qwen2."""
     if config.positions == "learned":
         return "gpt2"
     return "qwen2" if config.attn_bias else "llama"
+
+
+def exportable(checkpoint: Checkpoint) -> tuple[GGUFVocab, list[str]]:
+    """The run's vocabulary for llama.cpp and notes for the user, or one SettingError naming every setting
+    llama.cpp cannot compute as gptlab does (the model's, the tokenizer's, and the exact GELU's when it
+    changes the greedy text)."""
+    config = checkpoint.model_config
+    problems, notes = export_problems(config), []
+    try:
+        vocab = gguf_vocab(checkpoint.tokenizer, config.vocab_size)
+    except ValueError as err:
+        problems.append(str(err))
+    if config.positions == "learned" and config.ffn == "gelu_exact":
+        check = gelu_check(checkpoint)
+        if check.agrees:
+            notes.append(check.summary())
+        else:
+            problems.append(f"{check.summary()}: use {{ffn}} gelu")
+    if problems:
+        raise SettingError(f"llama.cpp cannot run this model as gptlab does: {'; '.join(problems)}",
+                           **_fields(problems))
+    return vocab, [*notes, *vocab.notes]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,62 +243,7 @@ def _tensor_type(tensor: torch.Tensor, kind: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizers
-
-
-@dataclass(frozen=True)
-class GGUFVocab:
-    """A byte-level BPE as llama.cpp's `gpt2` tokenizer model holds it."""
-
-    tokens: list[str]
-    types: list[int]
-    merges: list[str]
-    eos_id: int | None
-
-
-def gguf_vocab(tokenizer: Mapping[str, Any], vocab_size: int) -> GGUFVocab:
-    """A saved gptlab tokenizer as llama.cpp's byte-level BPE, padded to the model's vocabulary; char and
-    other vocabularies llama.cpp cannot tokenize are refused."""
-    gguf = need("gguf", "gguf", "export-gguf")
-
-    kind = tokenizer["kind"]
-    if kind == "byte":  # byte b is id b: a byte-level BPE without merges
-        spell = byte_to_unicode()
-        tokens, merges, specials, eos = [spell[b] for b in range(256)], [], set(), None
-    elif kind in ("bpe", "gpt2", "hf"):
-        hf = json.loads(hf_tokenizer_json(tokenizer))
-        pre = hf.get("pre_tokenizer") or {}
-        if hf["model"]["type"] != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
-            raise ValueError(f"the {kind} tokenizer is not GPT-2's byte-level BPE, the one scheme gptlab "
-                             "vouches llama.cpp splits alike: export it with gptlab export-hf and convert "
-                             "that folder with llama.cpp's convert_hf_to_gguf.py, which knows many more")
-        vocab = hf["model"]["vocab"]
-        specials = {t["content"] for t in hf.get("added_tokens", []) if t.get("special")}
-        vocab |= {t["content"]: t["id"] for t in hf.get("added_tokens", [])}
-        tokens = sorted(vocab, key=vocab.__getitem__)
-        if [vocab[t] for t in tokens] != list(range(len(tokens))):
-            raise ValueError(f"the {kind} tokenizer's ids are not 0..{len(tokens) - 1} without gaps")
-        merges = [m if isinstance(m, str) else " ".join(m) for m in hf["model"]["merges"]]
-        eos = tokenizer.get("eos_id") if kind == "hf" else vocab.get(EOT)
-    else:
-        raise SettingError(f"the {kind} tokenizer has no llama.cpp equivalent: train with a byte or BPE "
-                           "tokenizer ({t} byte or {t} bpe)", t="tokenizer")
-    if len(tokens) > vocab_size:
-        raise ValueError(f"the tokenizer has {len(tokens)} ids but the model only {vocab_size}")
-    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
-    pads = [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]  # rows the tokenizer never produces
-    return GGUFVocab(tokens + pads, [int(t) for t in types] + [int(gguf.TokenType.UNUSED)] * len(pads),
-                     merges, eos)
-
-
-def tokenizer_from_vocab(vocab: GGUFVocab) -> Tokenizer:
-    """A gptlab bpe tokenizer that encodes as the GGUF vocabulary does (unused padding rows left out)."""
-    gguf = need("gguf", "gguf", "reading a GGUF file")
-
-    used = {t: i for i, (t, kind) in enumerate(zip(vocab.tokens, vocab.types, strict=True))
-            if kind != gguf.TokenType.UNUSED}
-    merges = [tuple(m.split(" ")) for m in vocab.merges]
-    return tokenizer_from_dict({"kind": "bpe", "json": byte_level_bpe(used, merges)})  # type: ignore[arg-type]
+# Chat template
 
 
 def chat_template_source(checkpoint: Checkpoint) -> str | None:
@@ -321,8 +285,8 @@ def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExpo
         raise ValueError(f"{run} is a LoRA run: merge its adapters into a run first (gptlab merge RUN OUT), "
                          "then export that")
     config = checkpoint.model_config
+    vocab, notes = exportable(checkpoint)
     arch = gguf_arch(config)
-    vocab = gguf_vocab(checkpoint.tokenizer, config.vocab_size)
     tensors = to_gguf_tensors(checkpoint.model_state, config, arch)
     out, source = Path(out), str(resolve_checkpoint(run).resolve())
     if out.exists() and exported_from(out) != source:
@@ -331,7 +295,7 @@ def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExpo
     writer = gguf.GGUFWriter(None, arch)
     _write_metadata(writer, config, arch, kind)
     writer.add_string(SOURCE_KEY, source)
-    _write_vocab(writer, vocab, arch)
+    write_vocab(writer, vocab, arch)
     template = chat_template_source(checkpoint)
     if template is not None:
         writer.add_chat_template(template)
@@ -351,7 +315,8 @@ def export_gguf(run: str | Path, out: str | Path, kind: str = "f32") -> GGUFExpo
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned_temporaries(out)
     atomic_write(out, write)
-    notes = [] if template else ["no chat template: the run was not fine-tuned to chat"]
+    if template is None:
+        notes.append("no chat template: the run was not fine-tuned to chat")
     fallback = sorted(name for name, t in types.items() if kind == "q8_0" and t == "f16")
     if fallback:
         notes.append(f"{len(fallback)} matrices have rows that are not a multiple of 32 and were written in "
@@ -379,19 +344,6 @@ def _write_metadata(writer: Any, config: ModelConfig, arch: str, kind: str) -> N
     writer.add_rope_dimension_count(config.head_size)
     writer.add_rope_freq_base(config.rope_base)
     writer.add_vocab_size(config.vocab_size)
-
-
-def _write_vocab(writer: Any, vocab: GGUFVocab, arch: str) -> None:
-    writer.add_tokenizer_model("gpt2")  # llama.cpp's name for byte-level BPE
-    writer.add_tokenizer_pre(PRE_TOKENIZER)
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types(vocab.types)
-    writer.add_token_merges(vocab.merges)
-    writer.add_add_bos_token(False)  # gptlab's byte-level kinds add nothing to a prompt
-    if vocab.eos_id is not None:
-        writer.add_eos_token_id(vocab.eos_id)
-        if arch == "gpt2":  # GPT-2's one special token is both
-            writer.add_bos_token_id(vocab.eos_id)
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:
@@ -429,10 +381,7 @@ def read_gguf(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor], G
                              rope_base=key("rope.freq_base"), positions="rope", norm="rmsnorm",
                              ffn="swiglu", bias=False, qkv_bias=arch == "qwen2",
                              tied="output.weight" not in tensors)
-    vocab = GGUFVocab(list(_field(reader, "tokenizer.ggml.tokens")),
-                      list(_field(reader, "tokenizer.ggml.token_type")),
-                      list(_field(reader, "tokenizer.ggml.merges", [])),
-                      _field(reader, "tokenizer.ggml.eos_token_id"))
+    vocab = read_vocab(lambda name, default=None: _field(reader, name, default))
     return config, from_gguf_tensors(tensors, config, arch), vocab
 
 

@@ -21,7 +21,7 @@ Deliberate choices:
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -157,21 +157,26 @@ def to_gpt2_state(model_state: Mapping[str, torch.Tensor], config: ModelConfig) 
     GPT-2 has every bias; one the model leaves out (bias=False, qkv_bias=False) is written as zeros,
     which compute exactly what no bias does.
     """
+    return dict(gpt2_tensors(model_state, config))
+
+
+def gpt2_tensors(model_state: Mapping[str, torch.Tensor],
+                 config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """`to_gpt2_state`'s (name, tensor) pairs one at a time, len(gpt2_names(config)) of them, all checked
+    before the first: a caller can count them as they come."""
     shapes = expected_shapes(config)
     names = gpt2_names(config)
     absent = set(names) - set(shapes)
     assert set(shapes) <= set(names), f"the name map misses {sorted(set(shapes) - set(names))}"
     assert all(name.endswith(".bias") for name in absent), f"only biases may be absent, not {sorted(absent)}"
     check_tensors(model_state, shapes)
-    out = {}
     for ours, theirs in names.items():
         if ours in absent:  # as wide as its layer's output: rows of the (out, in) weight, or the norm's
             weight = model_state[ours.removesuffix("bias") + "weight"]
-            out[theirs] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+            yield theirs, torch.zeros(weight.shape[0], dtype=weight.dtype)
             continue
         tensor = model_state[ours]
-        out[theirs] = (tensor.t() if _is_conv1d(ours) else tensor).contiguous()
-    return out
+        yield theirs, (tensor.t() if _is_conv1d(ours) else tensor).contiguous()
 
 
 def from_gpt2_state(

@@ -57,6 +57,22 @@ def shard_files(index: Path) -> list[Path]:
     return [index.parent / name for name in names]
 
 
+def tensor_count(hf_dir: Path) -> int | None:
+    """How many tensors `read_tensors` yields, from the safetensors headers alone; None for a pickled
+    folder, whose count is known only once it is read."""
+    files = weight_files(hf_dir)
+    if any(file.suffix != ".safetensors" for file in files):
+        return None
+    count = 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                count += len(reader.keys())
+        except Exception:  # safetensors' own error types: read_tensors names the damaged file
+            return None
+    return count
+
+
 def read_tensors(hf_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every (name, tensor) of the folder's weights, one at a time, shard after shard."""
     for file in weight_files(hf_dir):

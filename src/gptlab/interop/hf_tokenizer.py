@@ -3,15 +3,16 @@ library's format), GPT-2's vocab.json and merges.txt, and GPT-2's own vocabulary
 
 `bpe` exports its own tokenizers JSON; `gpt2` rebuilds GPT-2's vocabulary and merges from tiktoken's
 ranks; `char` becomes a word-level vocabulary read one character at a time, and `byte` a byte-level BPE
-without merges (byte b is id b). An imported Llama or Qwen2 keeps its tokenizer.json as an `hf`
-tokenizer. Only the `tokenizers` library is needed; the GGUF export (`gptlab.interop.gguf`) writes its
-vocabulary from the same functions.
+without merges (byte b is id b); their special tokens (chat markers) become added special tokens, with
+the same ids, matched before the rest as gptlab matches them. An imported Llama or Qwen2 keeps its
+tokenizer.json as an `hf` tokenizer. Only the `tokenizers` library is needed; the GGUF export
+(`gptlab.interop.gguf`) writes its vocabulary from the same functions.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,22 @@ def char_level_json(chars: str) -> str:
     return hf.to_str()
 
 
+def with_specials(hf_json: str, specials: Sequence[str]) -> str:
+    """Tokenizers JSON with `specials` added as special tokens, numbered in order after its vocabulary, as a
+    char or byte tokenizer numbers them (`gptlab.text.specials`); both match the longest first."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as HFTokenizer
+
+    if not specials:
+        return hf_json
+    hf = HFTokenizer.from_str(hf_json)
+    first = hf.get_vocab_size(with_added_tokens=True)
+    hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    assert [hf.token_to_id(t) for t in specials] == list(range(first, first + len(specials))), \
+        "special tokens are numbered after the vocabulary, in order"
+    return hf.to_str()
+
+
 def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str:
     """Tokenizers JSON that encodes and decodes exactly like a saved gptlab tokenizer; a kind that cannot be
     written exactly is refused (a SettingError naming it)."""
@@ -95,9 +112,10 @@ def hf_tokenizer_json(tokenizer: Mapping[str, Any]) -> str:
     if kind in ("bpe", ImportedTokenizer.kind):
         return tokenizer["json"]
     if kind == "char":
-        return char_level_json(tokenizer["chars"])
+        return with_specials(char_level_json(tokenizer["chars"]), tokenizer.get("specials", []))
     if kind == "byte":  # no merges: each byte's GPT-2 spelling is one token, byte b is id b
-        return byte_level_bpe({spelled: b for b, spelled in byte_to_unicode().items()}, [])
+        plain = byte_level_bpe({spelled: b for b, spelled in byte_to_unicode().items()}, [])
+        return with_specials(plain, tokenizer.get("specials", []))
     if kind == "gpt2":
         # tokenizer.py's loader, for its error message that says how to get tiktoken's files
         from gptlab.text.tokenizer import load_gpt2_encoding

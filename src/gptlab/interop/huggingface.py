@@ -15,13 +15,15 @@ import glob
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
 from gptlab.checkpoint import (
     ADAPTER,
@@ -33,21 +35,26 @@ from gptlab.checkpoint import (
     require_architecture,
     save_checkpoint,
 )
+from gptlab.common import on_terminal
 from gptlab.config import SettingError
 from gptlab.files import atomic_write, atomic_write_text, fsync, process_alive
 from gptlab.interop.families import Conversion, export_family
 from gptlab.interop.gpt2 import (
     from_gpt2_state,
     gpt2_config,
+    gpt2_names,
+    gpt2_tensors,
     model_config_from_gpt2,
     to_gpt2_state,
 )
-from gptlab.interop.hf_folder import chat_template, generation_defaults, read_tensors
+from gptlab.interop.hf_folder import chat_template, generation_defaults, read_tensors, tensor_count
 from gptlab.interop.hf_tokenizer import hf_tokenizer_json, read_hf_tokenizer, read_llama_tokenizer
 from gptlab.interop.llama import (
     FAMILIES,
     from_llama_state,
     llama_config,
+    llama_names,
+    llama_tensors,
     model_config_from_llama,
     to_llama_state,
 )
@@ -140,26 +147,45 @@ def _staged(out_dir: Path) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def export_hf(run: str | Path, out_dir: str | Path, adapter_only: bool = False) -> Conversion:
+def _bar(what: str, progress: bool) -> tqdm:
+    """A bar of the tensors read or converted, on stderr when `progress` and on a terminal (a GPT-2 small
+    takes several seconds each way); its description then names the file being written."""
+    return tqdm(desc=what, unit="tensor", disable=not (progress and on_terminal()), leave=False,
+                dynamic_ncols=True)
+
+
+def _counted(pairs: Iterable[tuple[str, torch.Tensor]], bar: tqdm,
+             total: int | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """`pairs` as they are, each counted on `bar` (of `total`, when known) once its taker is done with it."""
+    bar.total = total
+    bar.refresh()
+    for pair in pairs:
+        yield pair
+        bar.update(1)
+
+
+def export_hf(run: str | Path, out_dir: str | Path, adapter_only: bool = False,
+              progress: bool = True) -> Conversion:
     """Write a run's best checkpoint as a folder that `transformers` loads: GPT2LMHeadModel, or
     LlamaForCausalLM / Qwen2ForCausalLM for a Llama-shaped model (`export_family`).
 
     The folder holds tokenizer files with which `AutoTokenizer` encodes exactly as the run's tokenizer (a
     kind that cannot be written so is refused). An adapter run (`gptlab finetune --lora`) adds its PEFT
     adapter (`export_adapter_run`); `adapter_only` writes that adapter alone. Everything is computed
-    before the first file is written.
+    before the first file is written. With `progress`, a bar on a terminal counts the tensors converted.
     """
     checkpoint = load_checkpoint(run)
     require_architecture(architecture(checkpoint.model_config), run, "decoder")  # both are decoder-only
     if ADAPTER in checkpoint.state:
-        return export_adapter_run(checkpoint, out_dir, adapter_only)
+        return export_adapter_run(checkpoint, out_dir, adapter_only, progress)
     if adapter_only:
         raise SettingError(f"{run} holds no LoRA adapters (it is not a gptlab finetune --lora run): "
                            "export it without {a}", a="adapter_only")
-    return export_checkpoint(checkpoint, out_dir)
+    return export_checkpoint(checkpoint, out_dir, progress)
 
 
-def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only: bool = False) -> Conversion:
+def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only: bool = False,
+                       progress: bool = True) -> Conversion:
     """An adapter run as its base model in OUT (export_checkpoint) and its adapters as a PEFT adapter in
     OUT/adapter, a folder of its own: transformers would apply an adapter it found beside config.json.
     With `adapter_only`, the adapter alone in OUT, for a base exported before."""
@@ -169,6 +195,13 @@ def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only
     model = checkpoint.build_gpt()  # the base run's model with the adapters on it (checkpoint.ADAPTER)
     lora = LoraConfig.from_dict(checkpoint.state[ADAPTER]["config"])
     peft_adapter(model, lora, None)  # refuses an adapter PEFT cannot hold before anything is written
+    new_rows = checkpoint.state[ADAPTER].get("new_rows")
+    if adapter_only and new_rows:
+        raise SettingError(f"{checkpoint.source}'s adapter also trains the rows of {len(new_rows['ids'])} "
+                           "tokens the run added to the vocabulary, which its base exported on its own "
+                           "lacks: export the whole run (without {a}), or merge it (gptlab merge) and export "
+                           "that",
+                           a="adapter_only")
     marker = _export_marker(checkpoint, adapter_only)
     out_dir = _new_folder(out_dir, marker)
     if adapter_only:
@@ -179,24 +212,26 @@ def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only
         note = f"load it onto its base exported on its own: gptlab export-hf {base} HF_DIR"
         return Conversion(out_dir, written.files, [note])
     tensors = {name: t for name, t in model_tensors(model).items() if not is_lora_tensor(name)}
-    weights, texts = _hf_files(replace(checkpoint, model_state=tensors))
-    with _staged(out_dir) as folder:
-        _write_hf_files(folder, weights, texts)
-        adapter = export_peft_adapter(model, lora, folder / ADAPTER_DIR, str(out_dir.resolve()))
-        files = ["model.safetensors", *texts, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)]
-        _write_export_marker(folder, marker, files)
+    with _bar("converting", progress) as bar:
+        weights, texts = _hf_files(replace(checkpoint, model_state=tensors), bar)
+        with _staged(out_dir) as folder:
+            _write_hf_files(folder, weights, texts, bar)
+            adapter = export_peft_adapter(model, lora, folder / ADAPTER_DIR, str(out_dir.resolve()))
+            files = ["model.safetensors", *texts, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)]
+            _write_export_marker(folder, marker, files)
     return Conversion(out_dir, files, [])
 
 
-def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path) -> Conversion:
+def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path, progress: bool = True) -> Conversion:
     """Write one decoder checkpoint's weights, config and tokenizer as a Hugging Face folder (export_hf)."""
     marker = _export_marker(checkpoint, False)
     out_dir = _new_folder(out_dir, marker)
-    weights, texts = _hf_files(checkpoint)
-    with _staged(out_dir) as folder:
-        _write_hf_files(folder, weights, texts)
-        files = ["model.safetensors", *texts]
-        _write_export_marker(folder, marker, files)
+    with _bar("converting", progress) as bar:
+        weights, texts = _hf_files(checkpoint, bar)
+        with _staged(out_dir) as folder:
+            _write_hf_files(folder, weights, texts, bar)
+            files = ["model.safetensors", *texts]
+            _write_export_marker(folder, marker, files)
     return Conversion(out_dir, files, [])
 
 
@@ -211,8 +246,9 @@ def _write_export_marker(folder: Path, marker: dict[str, Any], files: list[str])
                       json.dumps({SOURCE_KEY: {**marker, "files": files}}, indent=2) + "\n")
 
 
-def _hf_files(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, str]]:
-    """The weights and the text files (name -> text) of a checkpoint's Hugging Face folder."""
+def _hf_files(checkpoint: Checkpoint, bar: tqdm) -> tuple[dict[str, Any], dict[str, str]]:
+    """The weights and the text files (name -> text) of a checkpoint's Hugging Face folder, each tensor
+    counted on `bar` as it is converted."""
     from tokenizers import Tokenizer as HFTokenizer
 
     config = checkpoint.model_config
@@ -225,11 +261,13 @@ def _hf_files(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, str]]:
         eot_id = hf_tokenizer.token_to_id(EOT)  # None for char and byte, which have no end-of-text token
         bos_id = eot_id if family == "gpt2" else None
     if family == "gpt2":
-        tensors = to_gpt2_state(checkpoint.model_state, config)
+        pairs, total = gpt2_tensors(checkpoint.model_state, config), len(gpt2_names(config))
         hf_config = gpt2_config(config, eot_id)
     else:
-        tensors = to_llama_state(checkpoint.model_state, config, expected_shapes(config))
+        pairs = llama_tensors(checkpoint.model_state, config, expected_shapes(config))
+        total = sum(len(theirs) for theirs in llama_names(config).values())
         hf_config = llama_config(config, bos_id, eot_id)
+    tensors = dict(_counted(pairs, bar, total))
     token = {name: None if i is None else hf_tokenizer.id_to_token(i) for name, i in (("eos", eot_id),
                                                                                    ("bos", bos_id))}
     texts = {"config.json": json.dumps(hf_config, indent=2) + "\n", "tokenizer.json": tokenizer_json,
@@ -238,7 +276,8 @@ def _hf_files(checkpoint: Checkpoint) -> tuple[dict[str, Any], dict[str, str]]:
     return tensors, texts
 
 
-def _write_hf_files(folder: Path, tensors: dict[str, Any], texts: dict[str, str]) -> None:
+def _write_hf_files(folder: Path, tensors: dict[str, Any], texts: dict[str, str], bar: tqdm) -> None:
+    bar.set_description("writing model.safetensors")
     atomic_write(folder / "model.safetensors",
                  lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     for name, text in texts.items():
@@ -252,42 +291,52 @@ def _tokenizer_config(eot: str | None, bos: str | None, block_size: int) -> dict
             "clean_up_tokenization_spaces": False, **special}
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Conversion:
-    """Read a local GPT-2, Llama or Qwen2 folder into a gptlab run folder (best.safetensors, config.json)."""
-    hf_dir = Path(hf_dir)
+def _hf_config(hf_dir: Path) -> Any:
+    """The folder's config.json, read."""
     if not (hf_dir / "config.json").is_file():
         raise FileNotFoundError(f"{hf_dir} holds no config.json: give a folder written by save_pretrained")
     try:
-        hf_config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+        return json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
     except ValueError as err:  # not UTF-8, or not JSON: name the file, which the bare reason does not
         raise ValueError(f"{hf_dir / 'config.json'} is not a JSON file ({err}): copy it again from the "
                          "model's repository") from None
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Conversion:
+    """Read a local GPT-2, Llama or Qwen2 folder into a gptlab run folder (best.safetensors, config.json);
+    with `progress`, a bar on a terminal counts the tensors read."""
+    hf_dir = Path(hf_dir)
+    hf_config = _hf_config(hf_dir)
     family = hf_config.get("model_type", "gpt2") if isinstance(hf_config, dict) else None
-    if family == "gpt2":
-        config = model_config_from_gpt2(hf_config)
-        tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
-        generation = generation_defaults(hf_dir)
-        tensors, skipped = from_gpt2_state(read_tensors(hf_dir), config)
-    elif family in FAMILIES:
-        config = model_config_from_llama(hf_config)
-        tokenizer, note = read_llama_tokenizer(hf_dir, hf_config, config.vocab_size)
-        generation = generation_defaults(hf_dir)
-        tensors, skipped = from_llama_state(read_tensors(hf_dir), config, expected_shapes(config))
-    else:
-        raise ValueError(f"{hf_dir / 'config.json'} has model_type={family!r}: gptlab imports gpt2, "
-                         f"{', '.join(FAMILIES)}")
-    marker = {"command": "import-hf", "source": str(hf_dir.resolve())}
-    out_dir = _new_folder(out_dir, marker)
-    # `generation` is what `gptlab sample` uses for the settings its user leaves out (generation_defaults)
-    state = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
-    template = chat_template(hf_dir)  # kept as Jinja source; gptlab.adapt.chat renders it
-    if template is not None:
-        state["chat_template"] = template
-    resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir),
-                SOURCE_KEY: {**marker, "files": [BEST, "config.json"]}}
-    with _staged(out_dir) as folder:
-        save_checkpoint(folder / BEST, Checkpoint(config, tokenizer, tensors, state=state))
-        atomic_write_text(folder / "config.json", json.dumps(resolved, indent=2) + "\n")
+    with _bar("reading", progress) as bar:
+        if family == "gpt2":
+            config = model_config_from_gpt2(hf_config)
+            tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
+            generation = generation_defaults(hf_dir)
+            tensors, skipped = from_gpt2_state(_counted(read_tensors(hf_dir), bar, tensor_count(hf_dir)),
+                                               config)
+        elif family in FAMILIES:
+            config = model_config_from_llama(hf_config)
+            tokenizer, note = read_llama_tokenizer(hf_dir, hf_config, config.vocab_size)
+            generation = generation_defaults(hf_dir)
+            tensors, skipped = from_llama_state(_counted(read_tensors(hf_dir), bar, tensor_count(hf_dir)),
+                                                config, expected_shapes(config))
+        else:
+            raise ValueError(f"{hf_dir / 'config.json'} has model_type={family!r}: gptlab imports gpt2, "
+                             f"{', '.join(FAMILIES)}")
+        marker = {"command": "import-hf", "source": str(hf_dir.resolve())}
+        out_dir = _new_folder(out_dir, marker)
+        # `generation` is what `gptlab sample` uses for the settings its user leaves out
+        state = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
+        template = chat_template(hf_dir)  # kept as Jinja source; gptlab.adapt.chat renders it
+        if template is not None:
+            state["chat_template"] = template
+        resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir),
+                    SOURCE_KEY: {**marker, "files": [BEST, "config.json"]}}
+        bar.set_description(f"writing {BEST}")
+        with _staged(out_dir) as folder:
+            save_checkpoint(folder / BEST, Checkpoint(config, tokenizer, tensors, state=state))
+            atomic_write_text(folder / "config.json", json.dumps(resolved, indent=2) + "\n")
     notes = [note]
     if generation:
         shown = ", ".join(f"{key} {value}" for key, value in generation.items())

@@ -14,7 +14,7 @@ other activations, biases elsewhere) is refused with one error that lists every 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -188,16 +188,21 @@ def model_config_from_llama(hf: Mapping[str, Any]) -> ModelConfig:
 def to_llama_state(model_state: Mapping[str, torch.Tensor], config: ModelConfig,
                    shapes: Mapping[str, torch.Size]) -> dict[str, torch.Tensor]:
     """Hugging Face tensors from gptlab's (a tied head left out); `shapes` are the gptlab shapes expected."""
+    return dict(llama_tensors(model_state, config, shapes))
+
+
+def llama_tensors(model_state: Mapping[str, torch.Tensor], config: ModelConfig,
+                  shapes: Mapping[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`to_llama_state`'s (name, tensor) pairs one at a time, one per Hugging Face name of
+    llama_names(config), all checked before the first: a caller can count them as they come."""
     names = llama_names(config)
     assert set(names) == set(shapes), f"the name map misses {sorted(set(shapes) - set(names))}"
     check_tensors(model_state, shapes)
-    out = {}
     for ours, theirs in names.items():
         tensor = model_state[ours]
         parts = tensor.split(split_sizes(config, theirs)) if len(theirs) > 1 else [tensor]
         for name, part in zip(theirs, parts, strict=True):
-            out[name] = part.contiguous()
-    return out
+            yield name, part.contiguous()
 
 
 def from_llama_state(hf_tensors: Iterable[tuple[str, torch.Tensor]], config: ModelConfig,

@@ -9,8 +9,9 @@ Two kinds behind one interface (`ChatTemplate.render`):
 - `NativeTemplate`: gptlab's own, for models trained here. Every message is
       <|ROLE|>\nCONTENT<|end|>\n        (ROLE is system, user or assistant)
   and the generation prompt is "<|assistant|>\n". Its four markers must each be one token id:
-  `tokenizer_with_tokens` adds them to a bpe/hf tokenizer and `grow_embeddings` gives the model rows
-  for them (the mean of the existing rows, so a new token starts as an "average" token).
+  `tokenizer_with_tokens` adds them to any tokenizer (char and byte ones hold them as specials) and
+  `grow_embeddings` gives the model rows for them (the mean of the existing rows, so a new token starts
+  as an "average" token).
 
 Where a run keeps its template: `state["chat_template"]` of its checkpoint header, as `to_dict()` gives
 it (`template_from_state` reads it back; a run without one uses the native template).

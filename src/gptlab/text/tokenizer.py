@@ -6,7 +6,8 @@ Four kinds, from the simplest to GPT-2's own:
 - `bpe`: byte-level BPE trained on the corpus with Hugging Face `tokenizers` (GPT-2's scheme, our merges);
 - `gpt2`: GPT-2's own 50257-token encoding through `tiktoken`, when its files are cached locally.
 A fifth, `hf`, is never trained: it is an imported model's own `tokenizer.json` (Llama family), kept as
-it is, with that model's end-of-sequence id.
+it is, with that model's end-of-sequence id. char and byte may also hold special tokens (chat markers such
+as "<|user|>", `gptlab.text.specials`), each one id after their own.
 
 `to_dict()` gives a JSON-serialisable dict that `tokenizer_from_dict` turns back into the same
 tokenizer, so a checkpoint decodes its samples without the corpus it was trained on.
@@ -32,6 +33,7 @@ import numpy as np
 
 from gptlab.config import TOKENIZERS, SettingError
 from gptlab.text.bpe import EOT, train_bpe_in_worker
+from gptlab.text.specials import SpecialTokens
 
 DEFAULT_BPE_VOCAB = 4096
 MIN_BPE_VOCAB = 256 + 1  # every byte, plus the end-of-text token
@@ -109,18 +111,21 @@ class Tokenizer(abc.ABC):
 
 
 class CharTokenizer(Tokenizer):
-    """One id per character; the vocabulary is the sorted set of the training text's characters."""
+    """One id per character; the vocabulary is the sorted set of the training text's characters, then any
+    special tokens (`gptlab.text.specials`), each one id, matched in the text before characters."""
 
     kind = "char"
 
-    def __init__(self, chars: str) -> None:
+    def __init__(self, chars: str, specials: Sequence[str] = ()) -> None:
         if not chars:
             raise ValueError("the char tokenizer needs at least one character: train it on non-empty text")
         if len(set(chars)) != len(chars):
             raise ValueError("the char tokenizer's characters must be distinct")
         self.chars = chars
-        self.vocab_size = len(chars)
+        self.specials = SpecialTokens(specials, len(chars))
+        self.vocab_size = len(chars) + len(self.specials)
         self.eot_id = None
+        self._symbols = [*chars, *self.specials.tokens]  # id -> its text
         # Sorted code points let encode_array look every character up at once with searchsorted.
         codes = self._code_points(chars)
         self._sorter = np.argsort(codes)
@@ -135,50 +140,83 @@ class CharTokenizer(Tokenizer):
         # UTF-32 is one 4-byte unit per character; surrogatepass keeps lone surrogates encodable.
         return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
 
-    def encode_array(self, text: str) -> np.ndarray:
-        utf8_text(text)
+    def _char_ids(self, text: str, offset: int) -> np.ndarray:
+        """The ids of plain text (no special token) that starts at `offset` of the whole text."""
         codes = self._code_points(text)
         slots = np.minimum(np.searchsorted(self._codes, codes), len(self._codes) - 1)
         unknown = np.flatnonzero(self._codes[slots] != codes)
         if unknown.size:
             pos = int(unknown[0])
             raise ValueError(
-                f"character {text[pos]!r} at position {pos} is not in the char tokenizer's vocabulary "
-                f"({self.vocab_size} characters of its training text): use the byte or bpe tokenizer, "
-                "which encode any text"
+                f"character {text[pos]!r} at position {offset + pos} is not in the char tokenizer's "
+                f"vocabulary ({len(self.chars)} characters of its training text): use the byte or bpe "
+                "tokenizer, which encode any text"
             )
         return self._sorter[slots].astype(np.int64)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        utf8_text(text)
+        parts = [np.array([piece], dtype=np.int64) if isinstance(piece, int) else self._char_ids(piece, start)
+                 for start, piece in self.specials.split(text)]
+        if len(parts) == 1:  # plain text, the corpus case: one vectorised lookup, no copy
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def encode(self, text: str) -> list[int]:
         return self.encode_array(text).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.chars[i] for i in self._checked_ids(ids))
+        return "".join(self._symbols[i] for i in self._checked_ids(ids))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "chars": self.chars}
+        return {"kind": self.kind, "chars": self.chars, **_specials_entry(self.specials)}
 
 
 class ByteTokenizer(Tokenizer):
-    """The UTF-8 bytes of the text: 256 ids, nothing unknown, nothing to train."""
+    """The UTF-8 bytes of the text: 256 ids, nothing unknown, nothing to train; then any special tokens
+    (`gptlab.text.specials`), each one id, matched in the text before its bytes."""
 
     kind = "byte"
 
-    def __init__(self) -> None:
-        self.vocab_size = 256
+    def __init__(self, specials: Sequence[str] = ()) -> None:
+        self.specials = SpecialTokens(specials, 256)
+        self.vocab_size = 256 + len(self.specials)
         self.eot_id = None
 
     def encode_array(self, text: str) -> np.ndarray:
-        return np.frombuffer(utf8_text(text), dtype=np.uint8).astype(np.int64)
+        data = utf8_text(text)
+        if not len(self.specials):  # the corpus case: the bytes as they are
+            return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+        parts = [np.array([piece], dtype=np.int64) if isinstance(piece, int)
+                 else np.frombuffer(piece.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+                 for _, piece in self.specials.split(text)]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def encode(self, text: str) -> list[int]:
-        return list(utf8_text(text))
+        return self.encode_array(text).tolist()
 
     def decode(self, ids: Sequence[int]) -> str:
-        return bytes(self._checked_ids(ids)).decode("utf-8", errors="replace")
+        # Runs of byte ids are decoded together (a character may span several), special tokens as text.
+        parts, run = [], bytearray()
+        for i in self._checked_ids(ids):
+            if i < 256:
+                run.append(i)
+                continue
+            parts += [run.decode("utf-8", errors="replace"), self.specials.tokens[i - 256]]
+            run.clear()
+        return "".join(parts) + run.decode("utf-8", errors="replace")
 
     def token_bytes(self, token: int) -> bytes:
-        return bytes(self._checked_ids([token]))
+        token = self._checked_ids([token])[0]
+        return bytes([token]) if token < 256 else self.specials.tokens[token - 256].encode("utf-8")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **_specials_entry(self.specials)}
+
+
+def _specials_entry(specials: SpecialTokens) -> dict[str, list[str]]:
+    """The "specials" entry of a char or byte tokenizer's dict; none without them, as before they existed."""
+    return {"specials": list(specials.tokens)} if len(specials) else {}
 
 
 class BPETokenizer(Tokenizer):
@@ -423,9 +461,11 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
     if kind not in (*TOKENIZERS, SymbolTokenizer.kind, ImportedTokenizer.kind):
         known = ", ".join((*TOKENIZERS, SymbolTokenizer.kind, ImportedTokenizer.kind))
         raise DamagedTokenizerError(f"not a saved tokenizer: kind={kind!r} is not one of {known}")
+    if kind in ("char", "byte"):  # saved before these kinds took special tokens: none
+        d = {"specials": [], **d}
     fields: dict[str, dict[str, type[str] | type[list]]] = {
-        "char": {"chars": str}, "bpe": {"json": str}, "hf": {"json": str},
-        "symbols": {"specials": list, "chars": str}}
+        "char": {"chars": str, "specials": list}, "byte": {"specials": list}, "bpe": {"json": str},
+        "hf": {"json": str}, "symbols": {"specials": list, "chars": str}}
     for field, field_type in fields.get(kind, {}).items():
         value = d.get(field)
         if not isinstance(value, field_type) or not all(isinstance(s, str) for s in value):
@@ -437,8 +477,10 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
         if kind == SymbolTokenizer.kind:
             return SymbolTokenizer(d["specials"], d["chars"])
         if kind == "char":
-            return CharTokenizer(d["chars"])
-    except ValueError as exc:  # characters repeated, none at all, ...
+            return CharTokenizer(d["chars"], d["specials"])
+        if kind == "byte":
+            return ByteTokenizer(d["specials"])
+    except ValueError as exc:  # characters or special tokens repeated, none at all, ...
         raise DamagedTokenizerError(f"saved {kind} tokenizer is damaged: {exc}") from exc
     if kind == "bpe":
         return BPETokenizer(d["json"])
@@ -451,4 +493,4 @@ def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
         if not isinstance(more, list) or not all(isinstance(i, int) for i in more):
             raise DamagedTokenizerError(f"saved hf tokenizer's more_eos_ids={more!r} is not a list of ints")
         return ImportedTokenizer(d["json"], ids["eos_id"], ids["bos_id"], more)
-    return ByteTokenizer() if kind == "byte" else GPT2Tokenizer()
+    return GPT2Tokenizer()

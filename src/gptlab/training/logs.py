@@ -26,7 +26,8 @@ Point = tuple[int, float]  # (step, loss)
 
 class CsvLog:
     """Appends rows with fixed `columns` (the first is "step") to a CSV file; on resume, forgets the rows
-    after the resumed step, which a killed run wrote after its last checkpoint and will write again."""
+    after the resumed step, which a killed run wrote after its last checkpoint and will write again, and
+    keeps the columns added to the file since (a finished run's final figure, gptlab.training.final)."""
 
     def __init__(self, path: Path, columns: Sequence[str], resume_step: int | None = None) -> None:
         assert columns[0] == "step", "rows are kept or forgotten by their step"
@@ -34,11 +35,8 @@ class CsvLog:
         rows = []
         if resume_step is not None and path.exists():
             rows = [row for row in self.read() if int(row["step"]) <= resume_step]
-        table = io.StringIO(newline="")
-        writer = csv.DictWriter(table, fieldnames=self.columns)
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(path, table.getvalue())  # a kill now never loses the earlier rows
+            self.columns += tuple(name for name in read_columns(path) if name not in self.columns)
+        write_rows(path, self.columns, rows)  # a kill now never loses the earlier rows
 
     def append(self, **values: float | str) -> None:
         """Write one row (a missing column is left empty) and close the file, so a kill keeps it."""
@@ -74,6 +72,21 @@ def read_rows(path: Path) -> list[dict[str, str]]:
         return []
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
+
+
+def read_columns(path: Path) -> tuple[str, ...]:
+    """The column names of a CSV log (its header line)."""
+    with path.open(newline="") as f:
+        return tuple(next(csv.reader(f), ()))
+
+
+def write_rows(path: Path, columns: Sequence[str], rows: Sequence[dict[str, str]]) -> None:
+    """Replace a CSV log with `rows` under `columns` (a missing value left empty), crash-safely."""
+    table = io.StringIO(newline="")
+    writer = csv.DictWriter(table, fieldnames=columns, restval="")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_text(path, table.getvalue())
 
 
 def loss_limits(noisy: Sequence[Point], evaluated: Sequence[Point]) -> tuple[float, float]:

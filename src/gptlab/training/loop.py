@@ -371,11 +371,14 @@ class Trainer:
             **{f"eval/{name}": value for name, value in extra.items() if not isinstance(value, str)},
             **{f"heads/{name}": value for name, value in heads.items()},
         })
-        shown = ", ".join(f"{name.removeprefix('val_').replace('_', ' ')} {value:.4g}"
-                          for name, value in extra.items() if value != "")
+        # Both losses are estimates on eval_batches sampled batches, and the line says so: the figure of
+        # record is gptlab.training.final's, at the end.
+        batches = self.train_config.eval_batches
+        shown = "".join(f", {name.removeprefix('val_').replace('_', ' ')} {value:.4g}"
+                        for name, value in extra.items() if value != "")
         log.info(f"step {self.step}/{self.train_config.max_steps}: train loss {losses['train']:.4f}, "
-                 f"val loss {losses['val']:.4f} ({shown}), {self.tokens_per_s():,.0f} tokens/s, "
-                 f"{self.train_time:.0f} s{head_summary(heads)}")
+                 f"val loss {losses['val']:.4f} (estimate, {batches} batch{'es' * (batches > 1)}{shown}), "
+                 f"{self.tokens_per_s():,.0f} tokens/s, {self.train_time:.0f} s{head_summary(heads)}")
 
     def save_last(self) -> None:
         """Save `last` without evaluating: when interrupted, and every `save_every` seconds of training."""
