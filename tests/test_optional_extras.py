@@ -20,7 +20,8 @@ def hide(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
     """Make `import name` fail for each of `names`, and drop gptlab modules that already imported them."""
     for name in names:
         monkeypatch.setitem(sys.modules, name, None)
-    for loaded in ("gptlab.serve.server", "gptlab.serve.app", "gptlab.serve.completion"):
+    for loaded in ("gptlab.serve.server", "gptlab.serve.app", "gptlab.serve.completion",
+                   "gptlab.serve.prometheus"):
         monkeypatch.delitem(sys.modules, loaded, raising=False)
 
 
@@ -87,7 +88,7 @@ def test_log_destination_without_its_package(name: str, monkeypatch: pytest.Monk
         check_installed([name])
 
 
-@pytest.mark.parametrize("missing", ["fastapi", "uvicorn"])
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn", "prometheus_client"])
 def test_serve_without_the_serve_extra(missing: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str], random_gpt: Callable[..., Any],
                                        save_model: Callable[..., Path]) -> None:
@@ -96,3 +97,20 @@ def test_serve_without_the_serve_extra(missing: str, tmp_path: Path, monkeypatch
     assert main(["serve", str(run), "--port", "0"]) == 2
     err = one_error_line(capsys)
     assert f"gptlab serve needs the serve extra ({missing} is missing)" in err and "[serve]'" in err, err
+
+
+@pytest.mark.parametrize(("missing", "flag", "value"), [("llguidance", "--choice", "ab,ba"),
+                                                         ("jsonschema", "--json-schema", None)])
+def test_structured_output_without_the_structured_extra(missing: str, flag: str, value: str | None,
+                                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        random_gpt: Callable[..., Any],
+                                                        save_model: Callable[..., Path]) -> None:
+    run = save_model(tmp_path / "run", random_gpt(), train_tokenizer("char", "abcdefgh{}\":"))
+    if value is None:
+        value = str(tmp_path / "schema.json")
+        (tmp_path / "schema.json").write_text('{"type": "object"}', encoding="utf-8")
+    hide(monkeypatch, missing)
+    assert main(["sample", str(run), flag, value]) == 2
+    err = one_error_line(capsys)
+    assert f"needs the {missing} package: pip install 'gptlab[structured]'" in err, err

@@ -71,6 +71,12 @@ def _coerce(owner: str, name: str, value: Any, kind: Any) -> Any:
         if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
             return tuple(value)
         raise ValueError(f"{owner}.{name}={value!r} must be a list of strings")
+    if typing.get_origin(kind) is dict:  # token id -> number; JSON's keys are strings ("50256": -100)
+        given = value if isinstance(value, dict) else {}
+        ids = {k: int(k) if isinstance(k, str) and k.isdigit() else k for k in given}
+        if given is not value or not all(type(i) is int for i in ids.values()):
+            raise ValueError(f"{owner}.{name}={value!r} must map token ids (whole numbers >= 0) to numbers")
+        return {ids[k]: _coerce(owner, f"{name}[{k!r}]", v, float) for k, v in value.items()}
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if kind is float and isinstance(value, float) and not math.isfinite(value):
@@ -466,6 +472,9 @@ class SamplingConfig(Config):
     max_new_tokens: int = option(300, "stop after this many new tokens")
     stop: tuple[str, ...] = option((), "stop before any of these strings, which are not shown")
     seed: int | None = option(None, "seed of the sampler, for repeatable samples (none: unseeded)")
+    logit_bias: dict[int, float] | None = option(
+        None, "a JSON object of token id -> number in [-100, 100] added to that token's logit before "
+        "sampling (-100 bans it), as OpenAI's logit_bias")
 
     def validate(self) -> None:
         owner = "SamplingConfig"
@@ -479,6 +488,11 @@ class SamplingConfig(Config):
             raise ValueError(f"{owner}.max_new_tokens={self.max_new_tokens} must not be negative")
         if not all(self.stop):
             raise ValueError(f"{owner}.stop={list(self.stop)!r}: stop strings must not be empty")
+        bias = self.logit_bias or {}
+        bad = next(((t, b) for t, b in bias.items() if t < 0 or not -100 <= b <= 100), None)
+        if bad is not None:
+            raise ValueError(f"{owner}.logit_bias={{{bad[0]}: {bad[1]}}}: token ids must be >= 0 and biases "
+                             "in [-100, 100]")
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,14 @@ chosen as a `SamplingConfig` says (gptlab.sampling), never among the ids a padde
 has beyond its tokenizer's. Generation stops at any of the tokenizer's end-of-sequence ids
 (`Tokenizer.stop_ids`), at a stop string (which is never shown, not even its start while streaming),
 or after max_new_tokens.
+
+With a `SpeculationConfig` (one prompt, with the cache) each step drafts tokens by prompt lookup and
+verifies them with the newest one in a single forward pass (`gptlab.speculative`): the accepted ones
+and the model's own next token are kept, and the rejected ones' keys are rewound out of the cache.
+Its ring has draft_tokens slots beyond the window, so a chunk's keys only ever overwrite keys out of
+every later query's window; a chunk never crosses the ring's end nor, with learned positions, the
+window's, and where no draft fits (a prefill, a moved window) the step is a plain one. Greedy tokens
+are plain greedy's; sampled ones have the model's distribution but not plain sampling's draws.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.sampling import next_token, sampler, within_vocabulary
+from gptlab.speculative import SpeculationConfig, SpeculationStats, accept_draft, ngram_draft
 from gptlab.text.tokenizer import Tokenizer
 
 
@@ -68,9 +77,10 @@ class Decoder:
     """
 
     def __init__(self, model: GPT, rows: Sequence[Sequence[int]], use_cache: bool = True,
-                 max_new_tokens: int | None = None) -> None:
+                 max_new_tokens: int | None = None, spare: int = 0) -> None:
         """`max_new_tokens`, when known, sizes the cache to what the run can hold: at most block_size
-        slots (a ring), fewer when every row ends before then, so a large batch allocates only that."""
+        slots (a ring), fewer when every row ends before then, so a large batch allocates only that.
+        `spare` slots more let chunks of up to spare + 1 tokens be verified once the ring wraps."""
         if not model.config.causal:
             raise ValueError("generation needs a causal model: causal=False is only for demonstrations")
         self.model, self.config = model, model.config
@@ -80,7 +90,7 @@ class Decoder:
         self.device, self.dtype = weight.device, weight.dtype
         window = self.config.block_size
         longest = max(map(len, self.rows)) + (window if max_new_tokens is None else max_new_tokens)
-        self.cache = self._new_cache(min(window, longest)) if use_cache else None
+        self.cache = self._new_cache(min(window + spare, longest)) if use_cache else None
         self.prefilled = False  # whether the cache holds every token but the newest of each row
         self.newest: torch.Tensor | None = None  # the token last appended to each row, (B, 1)
         self.latest: torch.Tensor | None = None  # the logits for the rows as they are, once computed
@@ -101,6 +111,42 @@ class Decoder:
             starts = [window_start(self.config, start, len(row)) for start, row in windows]
             self.latest = self._recompute(starts) if self.cache is None else self._step(self.cache, starts)
         return self.latest
+
+    def draft_room(self) -> int:
+        """How many drafted tokens the next step may verify beside the newest one (0: a plain step is due).
+
+        Only a lone row with a cache speculates, and not when its window needs a prefill first. The
+        chunk may not cross the ring's end, nor hold a position past the window of learned positions.
+        """
+        cache, row, start = self.cache, self.rows[0], self.starts[0]
+        if cache is None or len(self.rows) > 1 or not self.prefilled or self.latest is not None:
+            return 0
+        if window_start(self.config, start, len(row)) != start:
+            return 0  # the window moves: the next step prefills it again
+        room = cache.capacity - cache.fed[0] % cache.capacity - 1
+        if self.config.positions == "learned":  # the newest token is at position len(row) - 1 - start
+            room = min(room, self.config.block_size + start - len(row))
+        return max(room, 0)
+
+    @torch.inference_mode()
+    def verify(self, draft: Sequence[int]) -> torch.Tensor:
+        """The logits (d + 1, V) after the newest token and after each of the d drafted ones, in one pass.
+
+        The drafted tokens enter the cache too; `keep` then says which of them stay.
+        """
+        assert self.cache is not None and self.newest is not None, "verify follows a step of the lone row"
+        assert 0 < len(draft) <= self.draft_room(), "the draft does not fit: ask draft_room() first"
+        drafted = torch.tensor([list(draft)], device=self.device)  # (1, d)
+        return self.model(torch.cat([self.newest, drafted], dim=1), cache=self.cache)[0][0]  # (d + 1, V)
+
+    def keep(self, tokens: Sequence[int], drafted: int) -> None:
+        """After `verify` of `drafted` tokens: append `tokens` (the accepted start of the draft, then the
+        model's own token) to the row, and forget the rejected drafted tokens' keys."""
+        assert self.cache is not None and 0 < len(tokens) <= drafted + 1, "keep follows verify"
+        self.cache.rewind(0, drafted + 1 - len(tokens))
+        self.rows[0].extend(tokens)
+        self.newest = torch.tensor([[tokens[-1]]], device=self.device)  # (1, 1), not yet in the cache
+        self.latest = None
 
     def _step(self, cache: KVCache, starts: list[int]) -> torch.Tensor:
         """The cached step: the newest token of every row, or a prefill of every window when one moved."""
@@ -137,20 +183,32 @@ class Decoder:
 
 def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], sampling: SamplingConfig, *,
              generator: torch.Generator | None = None, eot_id: int | Sequence[int] | None = None,
-             vocab_size: int | None = None, use_cache: bool = True) -> Iterator[torch.Tensor]:
+             vocab_size: int | None = None, use_cache: bool = True,
+             speculation: SpeculationConfig | None = None,
+             stats: SpeculationStats | None = None) -> Iterator[torch.Tensor]:
     """Yield the next token of every prompt, (B, 1), one step at a time, as soon as it is chosen.
 
     `prompts` is a (B, T) tensor or a list of token lists of any lengths. A row that has produced
     `eot_id` (or any of several) keeps yielding that id; the generation ends when every row has, or
     after max_new_tokens. Ids >= `vocab_size` (a tokenizer's, below a padded model's) are never chosen.
-    `generator` (default: one seeded with `sampling.seed`) draws the samples.
+    `generator` (default: one seeded with `sampling.seed`) draws the samples. `speculation` drafts
+    and verifies several tokens per forward pass (one prompt, with the cache), counted in `stats`.
     """
     model.eval()
     rows = prompt_rows(prompts, model.config.block_size)
-    decoder = Decoder(model, rows, use_cache, sampling.max_new_tokens)
+    if speculation is not None and (len(rows) > 1 or not use_cache):
+        raise ValueError("speculative decoding verifies drafts of one prompt through the KV cache: give one "
+                         "prompt, and use_cache=True")
+    spare = 0 if speculation is None else speculation.draft_tokens
+    decoder = Decoder(model, rows, use_cache, sampling.max_new_tokens, spare)
     generator = generator or sampler(sampling, decoder.device)
-    stops = torch.tensor([eot_id] if isinstance(eot_id, int) else list(eot_id or ()), dtype=torch.long,
-                         device=decoder.device)  # (E,)
+    stop_ids = [eot_id] if isinstance(eot_id, int) else list(eot_id or ())
+    if speculation is not None:
+        counts = SpeculationStats() if stats is None else stats
+        for one in speculated(decoder, sampling, speculation, generator, stop_ids, vocab_size, counts):
+            yield torch.tensor([[one]], device=decoder.device)  # (1, 1)
+        return
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=decoder.device)  # (E,)
     finished = torch.zeros(len(decoder.rows), 1, dtype=torch.bool, device=decoder.device)
     last = torch.zeros_like(finished, dtype=torch.long)  # each row's latest token, (B, 1)
     for _ in range(sampling.max_new_tokens):
@@ -162,6 +220,30 @@ def generate(model: GPT, prompts: torch.Tensor | Sequence[Sequence[int]], sampli
         yield token
         if len(stops) and bool(finished.all()):
             return
+
+
+def speculated(decoder: Decoder, sampling: SamplingConfig, speculation: SpeculationConfig,
+               generator: torch.Generator | None, stop_ids: Sequence[int], vocab_size: int | None,
+               stats: SpeculationStats) -> Iterator[int]:
+    """The tokens of the decoder's lone row, a verified draft at a time (a plain step where none fits)."""
+    left = sampling.max_new_tokens
+    while left > 0:
+        room = min(decoder.draft_room(), speculation.draft_tokens, left - 1)  # the model's own token fits too
+        draft = ngram_draft(decoder.rows[0], room, speculation.ngram)
+        if draft:
+            logits = within_vocabulary(decoder.verify(draft), vocab_size)  # (d + 1, V)
+            tokens = accept_draft(logits, draft, sampling, generator)
+            decoder.keep(tokens, len(draft))
+            stats.record(len(draft), len(tokens) - 1)
+        else:
+            token = next_token(within_vocabulary(decoder.logits(), vocab_size), sampling, generator)  # (1, 1)
+            decoder.append(token)
+            tokens = [int(token)]
+        for one in tokens:
+            yield one
+            left -= 1
+            if one in stop_ids:  # a draft that crosses the end of the text stops there
+                return
 
 
 @dataclass(frozen=True)
@@ -178,16 +260,20 @@ class Chunk:
 
 
 def stream_text(model: GPT, tokenizer: Tokenizer, prompt: str, sampling: SamplingConfig, *,
-                generator: torch.Generator | None = None, use_cache: bool = True) -> Iterator[Chunk]:
+                generator: torch.Generator | None = None, use_cache: bool = True,
+                speculation: SpeculationConfig | None = None,
+                stats: SpeculationStats | None = None) -> Iterator[Chunk]:
     """Continue `prompt`, yielding each token with the text that can no longer become a stop string.
 
-    The prompt is checked at once, before the first chunk is asked for.
+    The prompt is checked at once, before the first chunk is asked for. `speculation` and `stats`: as
+    in `generate`.
     """
     prompt_ids = tokenizer.encode(prompt)
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens: give a non-empty prompt")
     tokens = generate(model, [prompt_ids], sampling, generator=generator, eot_id=tokenizer.stop_ids,
-                      vocab_size=tokenizer.vocab_size, use_cache=use_cache)
+                      vocab_size=tokenizer.vocab_size, use_cache=use_cache, speculation=speculation,
+                      stats=stats)
     return text_chunks(tokens, tokenizer, sampling.stop)
 
 

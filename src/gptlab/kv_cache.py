@@ -36,8 +36,9 @@ class KVCache:
     count) and builds their queries' mask; each layer then stores its new keys and values with
     `update` and attends over all the held ones.
     - Each row's slots fill in order and wrap around (a ring of `capacity` slots) once it has been fed
-      that many tokens; a chunk of several tokens must not wrap, or it would overwrite keys its own
-      queries need, and rows fed several tokens at once must all hold the same count.
+      that many tokens; rows fed several tokens at once must all hold the same count, and the chunk
+      must not cross the ring's end. A chunk of n tokens after the ring has wrapped needs
+      capacity >= window + n - 1, or it would overwrite keys its own queries need.
     - Each slot remembers its token's position and whether it is real or left padding. A query at
       position p sees the real keys at positions p - window < j <= p (window = block_size): the causal
       mask of §7.3 limited to the context window (a band). With capacity >= window a wrapped ring only
@@ -92,8 +93,10 @@ class KVCache:
         """Take the selected rows' next n_new tokens: positions (B, T), their queries' mask in `self.mask`."""
         fed, device = self.fed[self.batch], self.slot_positions.device
         uniform = min(fed) == max(fed)
-        assert n_new == 1 or (uniform and fed[0] + n_new <= self.capacity), \
-            "a chunk of tokens may not wrap the ring, and rows fed a chunk must hold the same count"
+        assert n_new == 1 or (uniform and fed[0] % self.capacity + n_new <= self.capacity), \
+            "a chunk of tokens may not cross the ring's end, and rows fed a chunk must hold the same count"
+        assert n_new == 1 or fed[0] + n_new <= self.capacity or self.capacity >= self.window + n_new - 1, \
+            "a chunk after the ring has wrapped needs capacity >= window + n_new - 1"
         pad, first = self.pad[self.batch, None], self.first[self.batch, None]  # (B, 1)
         column = torch.tensor(fed, device=device)[:, None] + torch.arange(n_new, device=device)  # (B, T)
         real = column >= pad  # (B, T)
@@ -169,12 +172,18 @@ class KVCache:
         self.slot_positions[row].fill_(EMPTY)
         self.slot_real[row].fill_(False)
 
-    def rewind(self, row: int) -> None:
-        """Forget the newest token of `row` (it was only a stand-in; see the scheduler's decode step)."""
-        self.fed[row] -= 1
-        slot = self.fed[row] % self.capacity
-        self.slot_positions[row, slot] = EMPTY
-        self.slot_real[row, slot] = False
+    def rewind(self, row: int, count: int = 1) -> None:
+        """Forget the newest `count` tokens of `row`: a scheduler's stand-in, or rejected drafted tokens.
+
+        Their keys stay in memory but out of sight, and the row's next tokens take their slots. In a
+        wrapped ring the keys these slots held before are lost; the rule `advance` holds for chunks
+        (capacity >= window + n - 1) ensures they were out of every later query's window.
+        """
+        assert 0 <= count <= self.fed[row], f"cannot rewind {count} of the row's {self.fed[row]} tokens"
+        self.fed[row] -= count
+        slots = [(self.fed[row] + i) % self.capacity for i in range(count)]
+        self.slot_positions[row, slots] = EMPTY
+        self.slot_real[row, slots] = False
 
     def move(self, source: int, target: int) -> None:
         """Copy row `source` into row `target` (so the rows in use stay the first ones)."""

@@ -41,7 +41,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sock = bind(listen, args.host, args.port)  # a busy port is refused before the model is loaded
     try:
         served = app_for_run(args.run, args.device, args.dtype, args.quantize, api_key=api_key,
-                             max_batch=args.max_batch, limits=limits, allowed_hosts=allowed)
+                             max_batch=args.max_batch, limits=limits, allowed_hosts=allowed,
+                             metrics=not args.no_metrics)
     except BaseException:
         sock.close()
         raise
@@ -74,8 +75,10 @@ def announce(run: str, served: ServedRun, sock: socket.socket, keyed: bool,
     shown = f"[{host}]" if ":" in host else host
     hosts = ("any Host name (--allowed-hosts to restrict)" if allowed is None
              else "Host " + ", ".join(sorted(allowed)))
+    metrics = ", metrics at /metrics" if served.app.state.metrics is not None else ""
     print(f"serving {run} as model {served.name!r} at http://{shown}:{port} (playground at /, OpenAI API "
-          f"at /v1{', API key required' if keyed else ''}; answering {hosts}); Ctrl-C stops", flush=True)
+          f"at /v1{metrics}{', API key required' if keyed else ''}; answering {hosts}); Ctrl-C stops",
+          flush=True)
     refusal = served.app.state.chat.refusal()
     if refusal is not None:
         print(f"note: /v1/chat/completions answers 400: {refusal}", flush=True)
@@ -125,6 +128,8 @@ def add_serve_command(sub: Any) -> None:
                        "OpenAI)")
     serve.add_argument("--max-stop-chars", type=int, default=64,
                        help="characters per stop string (default 64)")
+    serve.add_argument("--no-metrics", action="store_true", help="answer GET /metrics (Prometheus' text "
+                       "format, behind the API key when there is one) with 404, and count nothing")
     serve.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                        help="CPU threads of the decode thread's tensor operations (default: all cores "
                        "but one, which is left to the HTTP event loop)")

@@ -6,9 +6,10 @@
 - `schemas`: the OpenAI request bodies, validated into `SamplingConfig`, and OpenAI-style errors.
 - `app`: the ASGI application (FastAPI): `/v1/models`, `/v1/completions` (streamed or not),
   `/v1/attention` for the playground, and the playground page at `/` (`page`).
+- `prometheus`: `GET /metrics`, the server's counters, gauges and histograms in Prometheus' format.
 - `server`: a run folder served as the serve command serves it (`app_for_run`: the model loaded, the
   batch sized to the free memory by `sizing`), and uvicorn running the app on a bound socket.
 
-FastAPI and uvicorn come with the optional extra `gptlab[serve]`; nothing here imports them at the
-package level, so `gptlab` works without them.
+FastAPI, uvicorn and prometheus-client come with the optional extra `gptlab[serve]`; nothing here imports them
+at the package level, so `gptlab` works without them.
 """

@@ -7,13 +7,14 @@ only with `stream_options: {"include_usage": true}`, as OpenAI does; and `POST /
 attention weights the playground shows, from `gptlab.inspection`). For lm-eval's `local-completions`
 model, a completion may echo its prompt with the prompt tokens' logprobs, and vLLM's tokenizer routes
 answer its remote tokenizer: `GET /tokenizer_info`, `POST /tokenize` and `POST /detokenize`.
+`GET /metrics` is Prometheus' scrape (`prometheus`), unless the app is made with `metrics=False` (a 404).
 
 Request bodies are read here rather than by FastAPI, so that every refusal is one of OpenAI's error
 objects with a 4xx status and the field named: a body that is not `Content-Type: application/json` is
 a 415, one over 1 MB a 413 before it is parsed, bad JSON a 400, a bad field a 400 (`schemas`). A
 prompt must encode to 1 .. block_size tokens, and with `max_context` below block_size the prompt and
-max_tokens together must fit it. With an API key, every /v1 route wants `Authorization: Bearer KEY`
-(401 otherwise); the page itself is open, and asks for the key. `guard` checks the Host name and
+max_tokens together must fit it. With an API key, /metrics and every /v1 route want `Authorization:
+Bearer KEY` (401 otherwise); the page itself is open, and asks for the key. `guard` checks the Host name and
 turns faults into a generic 500. A full queue is a 429 and a request that waited past its deadline a
 503, both with Retry-After. A client that goes away cancels its rows, running or still queued.
 The request's own work (encoding, queueing, its events as OpenAI's JSON) is in `completion` and `chat`.
@@ -31,7 +32,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from gptlab.config import SettingError
@@ -42,6 +43,7 @@ from gptlab.serve.chat import ChatServing, chat_text_ids, start_chat
 from gptlab.serve.completion import Completion, Served, start_completion
 from gptlab.serve.guard import LOOPBACK_NAMES, Guard
 from gptlab.serve.page import playground
+from gptlab.serve.prometheus import Metrics, instrument
 from gptlab.serve.schemas import (
     MAX_DEPTH,
     SAMPLING_DEFAULTS,
@@ -65,12 +67,14 @@ MAX_BODY = 1 << 20  # bytes: a larger body is a 413
 def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | None = None,
                max_batch: int = 64, limits: Limits | None = None,
                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES,
-               defaults: Mapping[str, Any] | None = None, template: ChatTemplate | None = None) -> FastAPI:
+               defaults: Mapping[str, Any] | None = None, template: ChatTemplate | None = None,
+               metrics: bool = True) -> FastAPI:
     """The server's ASGI app for one model; its decode thread runs while the app's lifespan does.
 
     `allowed_hosts`: the Host names it answers to (None: any); `defaults`: sampling values (temperature,
     top_p, top_k) for the fields a request does not set, such as an imported model's generation_config;
-    `template`: the run's chat template (`text.chat_template.template_from_state`; default the native one)."""
+    `template`: the run's chat template (`text.chat_template.template_from_state`; default the native one);
+    `metrics`: whether to count and answer GET /metrics."""
     if not model.config.causal:
         raise ValueError("gptlab serve needs a causal model: causal=False is only for demonstrations")
     limits = limits or Limits()
@@ -89,6 +93,7 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
     app = FastAPI(title=f"gptlab: {name}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.served, app.state.chat = served, ChatServing.of(template or NativeTemplate(), tokenizer)
     app.add_middleware(Guard, allowed=allowed_hosts)  # inside Starlette's own fault handler, so it answers
+    app.state.metrics = instrument(app, scheduler, routes.routes) if metrics else None  # outside Guard
     add_error_handlers(app)
     app.include_router(routes)
     return app
@@ -172,6 +177,16 @@ async def detokenize(request: Request) -> dict[str, Any]:
         raise APIError(400, f"token id {bad} is outside this model's vocabulary of {vocab_size} tokens",
                        "tokens", "invalid_token")
     return {"prompt": served.tokenizer.decode(body.tokens)}
+
+
+@routes.get("/metrics")
+async def metrics_page(request: Request) -> Response:
+    exporter: Metrics | None = request.app.state.metrics
+    if exporter is None:  # served without metrics: as if the route did not exist
+        raise HTTPException(404, "Not Found")
+    authorize(request)
+    body, content_type = exporter.exposition(request.headers.get("accept", ""))
+    return Response(body, media_type=content_type)
 
 
 @routes.post("/v1/attention")

@@ -7,7 +7,9 @@ keeps its own count of tokens and its own positions, and each iteration of the d
 - admits waiting rows into free rows of the cache (`admitted` counts them);
 - samples one token per row that has logits (each row with its own `torch.Generator`, seeded by its
   request, through `sampling.next_token` on its own (1, V) logits, so it draws what `generate` draws
-  for that prompt alone) and ends rows at a stop id, a stop string or max_tokens;
+  for that prompt alone) and ends rows at a stop id, a stop string or max_tokens; a row with a grammar
+  (structured output) chooses only among the tokens its matcher allows and ends when the grammar does
+  (`structured.generation.choose`), so constrained and free rows share one batched step;
 - prefills at most `prefill_chunk` prompt tokens (chunked prefill: a 4k-token prompt takes several
   iterations, and the other rows decode a token in each of them instead of waiting for it);
 - runs the newest token of every row in one batched forward pass. A row joins that step once all of
@@ -47,6 +49,8 @@ from gptlab.generate import Chunk, text_chunks, window_start
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.sampling import next_token, within_vocabulary
+from gptlab.structured.generation import choose, settled
+from gptlab.structured.grammar import Matcher
 from gptlab.text.tokenizer import Tokenizer
 
 SLOT_STEP = 64  # the cache's slots per row grow in steps of this many
@@ -121,6 +125,8 @@ class Row:
     slot: int = -1  # its row of the cache
     need: int = 0  # the cache slots it can ever use
     order: int = 0  # admission order: prompts are prefilled oldest first
+    clock: float = field(default_factory=time.monotonic)  # when it was queued, then when it last sampled
+    matcher: Matcher | None = None  # structured output: the row's place in its grammar
 
 
 class Ticket:
@@ -131,6 +137,17 @@ class Ticket:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+
+class Observer:
+    """What the decode thread reports as it goes, to metrics (`serve.prometheus`), on the decode thread;
+    this one ignores it."""
+
+    def admitted(self, row: Row) -> None:
+        """`row` left the queue: its prompt is prefilled next (or it ends at once, asking for no tokens)."""
+
+    def sampled(self, row: Row, seconds: float) -> None:
+        """`row` sampled a token `seconds` after its previous one (after it was queued, for its first)."""
 
 
 class Scheduler:
@@ -163,6 +180,7 @@ class Scheduler:
         self.admitted = 0  # rows that got a slot
         self.steps = 0  # batched steps run, for tests and benchmarks
         self.largest_batch = 0
+        self.observer = Observer()  # metrics replace it before the thread starts
         self.step_seconds = 0.05  # a running average of one iteration's time, for QueueFull's estimate
         self._order = itertools.count()
         self._wake = threading.Condition()
@@ -283,6 +301,7 @@ class Scheduler:
                 row = self.waiting.popleft()
             if row.ticket.cancelled.is_set():
                 continue
+            self.observer.admitted(row)
             row.chunks = text_chunks(row.feed, self.tokenizer, row.sampling.stop)
             if row.sampling.max_new_tokens == 0:
                 self._finish(row, next(row.chunks))
@@ -350,13 +369,20 @@ class Scheduler:
     def _sample(self, row: Row) -> bool:
         """Choose the row's next token, report it; whether the row is over."""
         assert row.logits is not None and row.chunks is not None
-        token = int(next_token(row.logits, row.sampling, row.generator))
+        token = self._choose(row)
+        if token is None:  # the row's grammar ends it here: complete, or unable to go on
+            assert row.matcher is not None
+            self._finish(row, next(row.chunks), "stop" if row.matcher.complete else "length")
+            return True
         row.generated.append(token)
         row.ids.append(token)
         row.feed.tokens.append(token)
+        now = time.monotonic()
+        self.observer.sampled(row, now - row.clock)
+        row.clock = now
         row.pending, logits, row.logits = [token], row.logits, None
         chunk = next(row.chunks)
-        eot = token in self.tokenizer.stop_ids
+        eot = token in self.tokenizer.stop_ids or (row.matcher is not None and token in row.matcher.end_ids)
         if not eot:
             row.emit(Event(row.index, chunk.text, token, *self._logprobs(row, logits, token)))
         # text_chunks answers a stopping token with an empty chunk; its next chunk is then the last one.
@@ -364,9 +390,21 @@ class Scheduler:
         # Below block_size, max_context is where a row ends; at block_size the window slides instead.
         full = self.max_context < self.config.block_size and len(row.ids) - row.start >= self.max_context
         if stopped or full or len(row.generated) == row.sampling.max_new_tokens:
-            self._finish(row, next(row.chunks))  # with nothing left to feed, "length" unless stopped
+            complete = row.matcher is not None and (row.matcher.complete or settled(row.matcher))
+            # with nothing left to feed, "length" unless stopped (or the grammar is complete)
+            self._finish(row, next(row.chunks), "stop" if complete else None)
             return True
         return False
+
+    def _choose(self, row: Row) -> int | None:
+        """The row's next token from its logits, within its grammar if it has one (then None when the
+        grammar ends the row). A token the grammar engine does not follow is never kept: the row ends
+        there, incomplete."""
+        assert row.logits is not None
+        if row.matcher is None:
+            return int(next_token(row.logits, row.sampling, row.generator))
+        token = choose(row.logits, row.matcher, row.sampling, row.generator)
+        return None if token is None or not row.matcher.advance(token) else token
 
     def _stop_found(self, row: Row) -> bool:
         """Whether a stop string has appeared in the row's text (the test text_chunks applies)."""

@@ -30,6 +30,7 @@ from gptlab.serve.completion import (
     queue_rows,
     token_text,
 )
+from gptlab.serve.constraints import check_bias, request_grammar
 from gptlab.serve.schemas import APIError, ChatMessage, ChatRequest, sampling_config
 from gptlab.text.chat_template import ChatTemplate, missing_tokens
 from gptlab.text.tokenizer import Tokenizer
@@ -75,19 +76,25 @@ def chat_text_ids(chat: ChatServing, served: Served, messages: Sequence[ChatMess
 
 
 def start_chat(body: ChatRequest, served: Served, chat: ChatServing) -> ChatCompletion:
-    """Validate the request, render and encode the conversation, then queue its n rows (none on a 400)."""
+    """Validate the request, render and encode the conversation, then queue its n rows (none on a 400).
+
+    With structured output the turn ends where the grammar does: its end-of-turn ids may follow a
+    complete output only, and the template's stop strings are not added."""
     check_choices(body.n, served)
     sampling = sampling_config(body, body.seed, served.limits)
+    check_bias(sampling, served.tokenizer)
     try:
         text, ids = chat_text_ids(chat, served, body.messages, "")
     except ValueError as err:  # a character the tokenizer cannot encode
         raise APIError(400, f"messages: {err}", "messages", "unencodable_prompt") from None
+    grammar = request_grammar(body, served.tokenizer, {*served.tokenizer.stop_ids, *chat.hidden})
     context, window = served.max_context, served.model.config.block_size
     if body.token_limit[0] is None and context < window and context > len(ids):
         sampling = sampling.replace(max_new_tokens=min(sampling.max_new_tokens, context - len(ids)))
     check_prompt(ids, served, "messages", sampling.max_new_tokens)
     job = ChatCompletion(body, served, [text], len(ids), chat.hidden)
-    queue_rows(job, [ids], sampling.replace(stop=(*sampling.stop, *chat.stops)))
+    stops = chat.stops if grammar is None else ()
+    queue_rows(job, [ids], sampling.replace(stop=(*sampling.stop, *stops)), grammar)
     return job
 
 

@@ -28,7 +28,9 @@ from gptlab.config import SamplingConfig
 from gptlab.model import GPT
 from gptlab.sampling import sampler
 from gptlab.serve.batching import Event, QueueFull, Row, Scheduler, Ticket
+from gptlab.serve.constraints import check_bias, request_grammar
 from gptlab.serve.schemas import APIError, CompletionRequest, Limits, SamplingRequest, sampling_config
+from gptlab.structured.grammar import Grammar
 from gptlab.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -99,6 +101,8 @@ async def start_completion(body: CompletionRequest, served: Served) -> Completio
     prompts = body.prompts
     check_choices(len(prompts) * body.n, served)
     sampling = sampling_config(body, body.seed, served.limits)
+    check_bias(sampling, served.tokenizer)
+    grammar = request_grammar(body, served.tokenizer, served.tokenizer.stop_ids)
     single = len(prompts) == 1 and body.prompt is prompts[0]
     encoded = [encode_prompt(p, served, "prompt" if single else f"prompt[{i}]", sampling.max_new_tokens)
                for i, p in enumerate(prompts)]
@@ -112,7 +116,7 @@ async def start_completion(body: CompletionRequest, served: Served) -> Completio
             echoes = await asyncio.wrap_future(served.scheduler.call(
                 lambda: [prompt_logprobs(served.model, served.tokenizer, ids, top) for ids in encoded]))
     job = Completion(body, served, texts, sum(map(len, encoded)), echoes)
-    queue_rows(job, encoded, sampling)
+    queue_rows(job, encoded, sampling, grammar)
     return job
 
 
@@ -145,8 +149,10 @@ def check_choices(choices: int, served: Served) -> None:
                        "request may ask for", "n", "too_many_choices")
 
 
-def queue_rows(job: Completion, encoded: Sequence[list[int]], sampling: SamplingConfig) -> None:
-    """Queue n rows per prompt on the decode thread, all or none (a full queue is a 429)."""
+def queue_rows(job: Completion, encoded: Sequence[list[int]], sampling: SamplingConfig,
+               grammar: Grammar | None = None) -> None:
+    """Queue n rows per prompt on the decode thread, all or none (a full queue is a 429); with a grammar
+    (structured output), each row follows its own matcher."""
     body, served = job.body, job.served
     device = next(served.model.parameters()).device
     deadline = time.monotonic() + served.limits.request_timeout
@@ -156,7 +162,8 @@ def queue_rows(job: Completion, encoded: Sequence[list[int]], sampling: Sampling
         seed = secrets.randbits(63) if body.seed is None else (body.seed + index) % 2**63
         choice = sampling.replace(seed=seed)
         rows.append(Row(index, list(encoded[index // body.n]), choice, sampler(choice, device),
-                        body.logprobs_count(), job.emit, job.ticket, deadline=deadline))
+                        body.logprobs_count(), job.emit, job.ticket, deadline=deadline,
+                        matcher=None if grammar is None else grammar.matcher()))
     try:
         served.scheduler.submit(rows)
     except QueueFull as full:

@@ -7,8 +7,10 @@ adds its own limits (`Limits`: max_tokens, stop strings, the context, the queue)
 `APIError`: an HTTP status and OpenAI's error object `{"error": {"message", "type", "param", "code"}}`,
 naming the field.
 
-Fields OpenAI defines that gptlab cannot honour (suffix, penalties, logit_bias, echo when streamed) are
-accepted at their neutral values, so clients that always send them work, and refused otherwise. A prompt
+Fields OpenAI defines that gptlab cannot honour (suffix, penalties, echo when streamed) are accepted at
+their neutral values, so clients that always send them work, and refused otherwise. Structured output
+is asked for with OpenAI's `response_format` or vLLM's `structured_outputs` (`ResponseFormat`,
+`StructuredOutputs`; compiled by `serve.constraints`). A prompt
 may be text or token ids, as OpenAI's completions API allows (lm-eval sends ids). `TokenizeRequest` and
 `DetokenizeRequest` are the bodies of vLLM's /tokenize and /detokenize, which lm-eval's remote tokenizer
 calls.
@@ -22,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gptlab.config import SamplingConfig, SettingError
 
@@ -82,6 +84,38 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with usage (and "usage": null on every other chunk)
 
 
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: a named JSON schema (`strict` or not, it is enforced)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON valid under a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its current name for the older guided_json, guided_regex and
+    guided_choice): one of a JSON schema, a regular expression, a list of choices or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    json_: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share: the model, sampling and the stream."""
 
@@ -98,8 +132,10 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as JSON writes it, a string) -> bias
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # an extension: vLLM's
 
     @property
     def token_limit(self) -> tuple[int | None, str]:
@@ -328,9 +364,10 @@ def sampling_config(request: SamplingRequest, seed: int | None, limits: Limits) 
     if any(len(s) > limits.max_stop_chars for s in stop):
         raise APIError(400, f"stop strings may be at most {limits.max_stop_chars} characters long",
                        "stop", "stop_too_long")
+    bias: Any = request.logit_bias or None  # JSON's keys are strings: SamplingConfig reads them as ids
     try:
         return SamplingConfig(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                              max_new_tokens=max_tokens, stop=tuple(stop), seed=seed)
+                              max_new_tokens=max_tokens, stop=tuple(stop), seed=seed, logit_bias=bias)
     except ValueError as err:
         found = re.match(r"SamplingConfig\.(\w+)", str(err))
         param = {"max_new_tokens": field}.get(found.group(1), found.group(1)) if found else None
@@ -343,7 +380,6 @@ def refuse_unsupported(request: SamplingRequest) -> None:
     checks = [
         ("presence_penalty", request.presence_penalty != 0, "presence_penalty must be 0"),
         ("frequency_penalty", request.frequency_penalty != 0, "frequency_penalty must be 0"),
-        ("logit_bias", bool(request.logit_bias), "logit_bias is not supported"),
         ("n", request.n < 1, f"n={request.n} must be at least 1"),
         ("seed", request.seed is not None and not 0 <= request.seed < 2**63,
          f"seed={request.seed} must be in [0, 2**63)"),

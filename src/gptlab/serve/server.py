@@ -37,11 +37,12 @@ class ServedRun:
 
 def app_for_run(run: str | Path, device: str = "cpu", dtype: str = "float32", quantize: str = "none", *,
                 api_key: str | None = None, max_batch: int | None = None, limits: Limits | None = None,
-                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES) -> ServedRun:
+                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES, metrics: bool = True) -> ServedRun:
     """The app serving a run folder or checkpoint, named as given (a link by its own name), its weights held
     in `dtype` or quantised (`checkpoint.load_for_inference`). `max_batch` None: the largest batch up to 64
     that fits in the memory free before loading (`sizing.plan_memory`); the run's sampling defaults (an
-    imported model's generation_config.json) fill what a request leaves out; its chat template, chats."""
+    imported model's generation_config.json) fill what a request leaves out; its chat template, chats;
+    `metrics` False: no GET /metrics."""
     limits = limits or Limits()
     torch_device = resolve_device(device)
     free = available_memory(torch_device)  # before the weights take their share
@@ -53,7 +54,7 @@ def app_for_run(run: str | Path, device: str = "cpu", dtype: str = "float32", qu
     defaults = {k: v for k, v in generation_defaults(run).items() if k in SAMPLING_DEFAULTS}
     template = template_from_state(load_header(run).state)
     app = create_app(model, tokenizer, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
-                     allowed_hosts=allowed_hosts, defaults=defaults, template=template)
+                     allowed_hosts=allowed_hosts, defaults=defaults, template=template, metrics=metrics)
     return ServedRun(app, name, plan)
 
 
