@@ -31,6 +31,19 @@ SAT_LINES = [f"{who} sat on the {what}." for who in ("the cat", "a dog", "my bir
 INSPECT_TEXT = "\n".join(SAT_LINES) * 40
 
 
+def covering(options: list[tuple[Any, ...]]) -> list[Any]:
+    """Option tuples as pytest params, all slow but a few that show every value of every position once.
+
+    A grid of combinations stays whole in `make test`; `make test-fast` runs the covering few."""
+    seen: set[tuple[int, Any]] = set()
+    params = []
+    for option in options:
+        new = {(i, value) for i, value in enumerate(option)} - seen
+        seen |= new
+        params.append(pytest.param(*option, marks=() if new else pytest.mark.slow))
+    return params
+
+
 @pytest.fixture(scope="session")
 def char_corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """Prepare a text with the char tokenizer into a new folder: `char_corpus(text)` is that folder."""

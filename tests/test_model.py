@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
+from conftest import covering
 from gptlab.config import ARRANGEMENTS, FFNS, NORMS, POSITIONS, ModelConfig, parameter_count
 from gptlab.model import (
     ACTIVATIONS,
@@ -39,7 +40,7 @@ def future_gradient(model: GPT, idx: torch.Tensor) -> tuple[float, float]:
     return future, past
 
 
-@pytest.mark.parametrize(("norm", "arrangement", "positions", "ffn", "tied"), ALL_OPTIONS)
+@pytest.mark.parametrize(("norm", "arrangement", "positions", "ffn", "tied"), covering(ALL_OPTIONS))
 def test_every_option_combination_builds_trains_and_stays_causal(
     norm: str, arrangement: str, positions: str, ffn: str, tied: bool, tiny_config: TinyConfig
 ) -> None:

@@ -90,6 +90,7 @@ HOLD_LOCK = textwrap.dedent("""
     "",
     WINDOWS_NAMES,
 ], ids=["windows-modules", "windows-os-and-signal-names"])
+@pytest.mark.slow
 def test_the_whole_library_imports_without_what_windows_lacks(shape: str) -> None:
     child = subprocess.run([sys.executable, "-c", GUARD + shape + IMPORT_ALL], capture_output=True,
                            text=True, timeout=120)

@@ -48,6 +48,7 @@ def stdout_of(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_sharded_run_holds_folders_and_pointers_and_no_single_file(runs: tuple[Path, Path]) -> None:
     run = runs[1]
     assert not (run / LAST).exists() and not (run / BEST).exists()
@@ -69,6 +70,7 @@ def test_a_sharded_checkpoint_holds_what_a_file_holds(runs: tuple[Path, Path]) -
     assert files.tokenizer == shards.tokenizer and files.model_config == shards.model_config
 
 
+@pytest.mark.slow
 def test_a_sharded_run_resumes_bit_for_bit(data_dir: Path, runs: tuple[Path, Path], tmp_path: Path) -> None:
     train(tmp_path / "split", data_dir, MODEL, SHARDED, stop_at=3, progress=False)
     assert load_checkpoint(tmp_path / "split", prefer=LAST).state["step"] == 3
@@ -76,6 +78,7 @@ def test_a_sharded_run_resumes_bit_for_bit(data_dir: Path, runs: tuple[Path, Pat
     assert_identical_runs(runs[0], tmp_path / "split")
 
 
+@pytest.mark.slow
 def test_resuming_as_files_retires_the_shards(data_dir: Path, runs: tuple[Path, Path],
                                               tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, SHARDED, stop_at=3, progress=False)
@@ -92,6 +95,7 @@ def test_resuming_as_files_retires_the_shards(data_dir: Path, runs: tuple[Path, 
     ["lens", "{run}", "--prompt", "the cat sat on", "--out", "{tmp}/lens.png"],
     ["ablate", "{run}", "--prompt", "the cat sat on", "--out", "{tmp}/ablation.png"],
 ])
+@pytest.mark.slow
 def test_every_command_reads_a_sharded_run_as_it_reads_files(runs: tuple[Path, Path], command: list[str],
                                                              tmp_path: Path,
                                                              capsys: pytest.CaptureFixture) -> None:
@@ -114,6 +118,7 @@ def test_serving_and_exporting_read_a_sharded_run(runs: tuple[Path, Path], tmp_p
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
+@pytest.mark.slow
 def test_fine_tuning_starts_from_a_sharded_base(runs: tuple[Path, Path], tmp_path: Path,
                                                 capsys: pytest.CaptureFixture) -> None:
     examples = tmp_path / "examples.jsonl"
@@ -143,6 +148,7 @@ def test_consolidate_writes_the_files_and_removes_the_shards(runs: tuple[Path, P
 # Faults: a save killed half-way is never taken for a checkpoint; damage is one line
 
 
+@pytest.mark.slow
 def test_a_save_that_fails_half_way_keeps_the_previous_checkpoint(data_dir: Path, runs: tuple[Path, Path],
                                                                   tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,6 +18,7 @@ import torch
 from scipy.stats import chisquare
 from torch.testing import assert_close
 
+from conftest import covering
 from gptlab.checkpoint import Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import POSITIONS, ModelConfig, SamplingConfig
@@ -88,6 +89,7 @@ def test_greedy_keeps_the_drafted_tokens_that_equal_the_argmax_then_the_argmax()
     assert accept_draft(peaked(0, 2, 3, 5), [1, 2, 3], greedy) == [0]
 
 
+@pytest.mark.slow
 def test_a_sampled_first_token_has_the_target_distribution_whatever_the_draft() -> None:
     """Whatever the drafted token's probability, the first kept token is distributed as p (with top-k,
     top-p and logit_bias, as the processed p): accepted with p(x), else drawn from p without x."""
@@ -134,7 +136,7 @@ def test_rolled_back_drafts_leave_the_logits_of_the_uncached_decoder(
 # ------------------------------------------------------------------------------------ greedy = plain greedy
 
 
-@pytest.mark.parametrize(("positions", "kv_heads"), list(itertools.product(POSITIONS, (2, 1))))
+@pytest.mark.parametrize(("positions", "kv_heads"), covering(list(itertools.product(POSITIONS, (2, 1)))))
 def test_greedy_speculation_gives_plain_greedy_tokens(positions: str, kv_heads: int,
                                                       random_model: Callable[..., GPT]) -> None:
     greedy = SamplingConfig(temperature=0, max_new_tokens=70)

@@ -206,6 +206,7 @@ def test_an_int8_lora_run_keeps_its_adapters(runs: Path) -> None:
         assert (got - want).abs().max() < 0.1 * (want - want.mean()).abs().max()  # int8's error only
 
 
+@pytest.mark.slow
 def test_export_hf_writes_the_markers_and_refuses_the_adapter_alone(
         runs: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")

@@ -124,6 +124,7 @@ def test_a_lock_file_a_refusal_removed_is_never_held_by_a_late_opener(
     ["ablate", "--prompt", "the cat", "--out", "OUT.png"],
     ["heads", "--out", "OUT.png"],
 ])
+@pytest.mark.slow
 def test_a_picture_out_is_redone_when_gptlab_wrote_it_and_refused_otherwise(
         command: list[str], trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / command[-1]

@@ -52,6 +52,7 @@ def test_a_flag_the_lab_lacks_is_refused_by_the_lab_in_one_line(capsys: pytest.C
     assert len(err.splitlines()) == 1 and "usage: gptlab [-h]" not in err
 
 
+@pytest.mark.slow
 def test_a_dry_run_needs_no_out_and_training_still_does(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)

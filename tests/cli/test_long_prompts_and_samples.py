@@ -31,6 +31,7 @@ def test_sample_reads_the_end_of_a_long_prompt_and_says_so(trained_run: Path,
     assert json.loads(long.out)["completion"] == json.loads(end.out)["completion"]
 
 
+@pytest.mark.slow
 def test_attention_and_ablate_read_the_end_the_position_commands_refuse(
         trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["attention", str(trained_run), "--prompt", LONG, "--out", str(tmp_path / "a.png")]) == 0

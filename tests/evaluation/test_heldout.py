@@ -13,6 +13,7 @@ from gptlab.evaluation.heldout import EVAL_TOKENS, evaluation_line
 
 
 @pytest.mark.parametrize("extra", [[], ["--data", "text"], ["--dtype", "bfloat16", "--max-tokens", "100"]])
+@pytest.mark.slow
 def test_evaluation_line_is_what_the_eval_command_prints(trained_run: Path, extra: list[str],
                                                          capsys: pytest.CaptureFixture) -> None:
     text = trained_run.parent / "text.txt"

@@ -234,6 +234,7 @@ def test_a_leak_trains_to_a_low_loss_that_honest_loss_sees_through(tmp_path: Pat
 
 @pytest.mark.filterwarnings("ignore:The use of `x.T`")
 @pytest.mark.parametrize("name", ["reference", *BUGS])
+@pytest.mark.slow
 def test_check_catches_every_bug_and_fails_no_choice(name: str, tmp_path: Path) -> None:
     grade_module = pytest.importorskip("gptlab.handout.learner.grade")
     path = tmp_path / f"{name}.py"

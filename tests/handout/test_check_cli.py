@@ -219,6 +219,7 @@ def test_help_teaches_the_names_and_says_it_is_not_a_sandbox(capsys: pytest.Capt
         assert words in text
 
 
+@pytest.mark.slow
 def test_the_command_writes_every_format_and_exits_1_on_a_failure(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Wiring only, with the child replaced; test_a_folder_of_submissions runs the real thing."""

@@ -52,6 +52,7 @@ def alive(pid: int) -> bool:
     return "zombie" not in state
 
 
+@pytest.mark.slow
 def test_a_file_cannot_delete_the_others_in_a_batch(tmp_path: Path) -> None:
     vandal = tmp_path / "a_vandal.py"
     vandal.write_text(VANDAL, encoding="utf-8")
@@ -66,6 +67,7 @@ def test_a_file_cannot_delete_the_others_in_a_batch(tmp_path: Path) -> None:
         assert report.checks and not [c for c in report.checks if c.passed is False]
 
 
+@pytest.mark.slow
 def test_helper_modules_beside_the_file_still_import(tmp_path: Path) -> None:
     (tmp_path / "my_helpers.py").write_text("import math\nSCALE = math.sqrt\n", encoding="utf-8")
     path = tmp_path / "uses_helper.py"

@@ -69,6 +69,7 @@ def no_mask(folder: Path) -> Path:
     return bugs.write_bug("no-mask", folder / "no_mask.py")
 
 
+@pytest.mark.slow
 def test_patching_torch_in_the_learners_process_does_not_flip_a_verdict(tmp_path: Path) -> None:
     honest = check_file(no_mask(tmp_path), Names(), timeout_s=120)
     assert honest.error is None and not succeeded(honest)

@@ -158,6 +158,7 @@ def test_a_classic_bug_fails_at_its_section_with_its_cause(bug: str, tmp_path: P
     assert caught, "\n".join(_failures(results)) or "nothing failed"
 
 
+@pytest.mark.slow
 def test_the_heads_averaged_count_says_concatenate(tmp_path: Path) -> None:
     _, patches, _, _ = BUGS["heads averaged"]
     results = grade(_load(LEARNERS / "fused_qkv.py", patches, tmp_path))

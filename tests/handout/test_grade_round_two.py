@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gptlab.handout.learner.grade import LearnerError, Names, grade
 from gptlab.handout.properties import Check
 
@@ -191,6 +193,7 @@ def test_a_required_mask_argument_gets_one_that_hides_nothing(tmp_path: Path) ->
 OUTSIDE = Path(__file__).parent / "outside"
 
 
+@pytest.mark.slow
 def test_a_correct_outside_file_never_fails_without_its_flags() -> None:
     """A learner who passes no flag gets SKIPs or one ERROR naming a flag, never a FAIL (issue 39)."""
     for path in sorted(OUTSIDE.glob("ok_*.py")):

@@ -91,6 +91,7 @@ def _break_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(M.KERNELS, "sdpa", sdpa_without_mask)
 
 
+@pytest.mark.slow
 def test_a_broken_mask_fails_the_causality_checks(monkeypatch: pytest.MonkeyPatch) -> None:
     _break_the_mask(monkeypatch)
     causality = _by_name(lab.check_causality())

@@ -81,6 +81,7 @@ def _by_name(checks: list[Check]) -> dict[str, Check]:
 
 
 @pytest.mark.parametrize("name", CORRECT)
+@pytest.mark.slow
 def test_every_correct_corpus_model_learns_with_margin(name: str) -> None:
     model, label = _model(_load(CORPUS / name))
     checks = learning_checks(model, label)

@@ -100,6 +100,7 @@ def test_the_corpus_is_what_the_issue_asks_for() -> None:
 
 
 @pytest.mark.parametrize("name", CORRECT)
+@pytest.mark.slow
 def test_a_correct_file_gets_no_fail_and_enough_passes(name: str) -> None:
     results, crash = _graded(name)
     assert not crash, crash
@@ -111,6 +112,7 @@ def test_a_correct_file_gets_no_fail_and_enough_passes(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", BUGGY)
+@pytest.mark.slow
 def test_a_bug_fails_with_a_cause_naming_it(name: str) -> None:
     results, crash = _graded(name)
     assert not crash, crash

@@ -217,6 +217,7 @@ def test_only_changes_at_ties_are_forgiven() -> None:
     assert not changed.agrees and changed.summary().endswith("the greedy token changes at 3 of them (0.07%)")
 
 
+@pytest.mark.slow
 def test_the_demo_shaped_run_exports_with_the_figures_of_its_validation_tokens(
         exact_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     check = gelu_check(load_checkpoint(exact_run))

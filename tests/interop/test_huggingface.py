@@ -225,6 +225,7 @@ def test_import_from_transformers_behaves_the_same(
 
 
 @needs_transformers
+@pytest.mark.slow
 def test_original_gpt2_layout_imports_skipping_only_the_mask_buffers(
     tmp_path: Path, bpe: BPETokenizer
 ) -> None:

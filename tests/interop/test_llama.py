@@ -223,6 +223,7 @@ def sharded_folder(folder: Path, family: str, eos: list[int], generation: dict[s
     ("qwen2", [9], {"do_sample": False, "max_new_tokens": 6, "eos_token_id": 9},
      [9], {"temperature": 0.0, "max_new_tokens": 6}),
 ])
+@pytest.mark.slow
 def test_sharded_import_keeps_every_eos_id_and_the_generation_defaults(
         tmp_path: Path, family: str, eos: list[int], generation: dict[str, Any], stop_ids: list[int],
         defaults: dict[str, Any], capsys: pytest.CaptureFixture) -> None:

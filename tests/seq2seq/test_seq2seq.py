@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import covering
 from gptlab.checkpoint import load_checkpoint, load_run
 from gptlab.cli import main
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
@@ -67,7 +68,7 @@ def embedding_gradients(model: EncoderDecoder, src: torch.Tensor, tgt: torch.Ten
     return rows["source"].grad, rows["target"].grad
 
 
-@pytest.mark.parametrize(("positions", "arrangement", "norm", "ffn"), OPTIONS)
+@pytest.mark.parametrize(("positions", "arrangement", "norm", "ffn"), covering(OPTIONS))
 def test_decoder_position_sees_its_past_and_the_whole_source_but_no_padding(
         positions: str, arrangement: str, norm: str, ffn: str) -> None:
     model = model_of(tiny(positions=positions, arrangement=arrangement, norm=norm, ffn=ffn))

@@ -277,6 +277,7 @@ def test_logit_bias_in_generate_and_under_a_grammar(bpe: BPETokenizer) -> None:
     assert sample(model, bpe, choice_grammar(bpe, ["yes", "no"]), 0, logit_bias=every) == ("", "length")
 
 
+@pytest.mark.slow
 def test_sample_command_takes_a_grammar(tmp_path: Path, bpe: BPETokenizer, save_model: Any,
                                         capsys: pytest.CaptureFixture[str]) -> None:
     run = save_model(tmp_path / "run", random_model(bpe.vocab_size), bpe)

@@ -53,6 +53,7 @@ def sigterm_in_evaluation(monkeypatch: pytest.MonkeyPatch, first: int) -> list[i
 
 
 @pytest.mark.parametrize("evaluation", [1, 2], ids=["mid-run", "last"])
+@pytest.mark.slow
 def test_sigterm_during_an_evaluation_saves_the_last_step_and_the_resumed_run_evaluates_it(
         data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, evaluation: int) -> None:
     train(tmp_path / "whole", data_dir, MODEL, TRAIN, progress=False)

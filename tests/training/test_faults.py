@@ -331,6 +331,7 @@ def test_a_damaged_checkpoint_is_one_line(data_dir: Path, tmp_path: Path, damage
     one_line_error(capsys, ["sample", str(run), "--max-new-tokens", "3"], str(run / BEST), message)
 
 
+@pytest.mark.slow
 def test_a_truncated_last_checkpoint_says_how_to_resume_from_the_intact_best(
         data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"
@@ -344,6 +345,7 @@ def test_a_truncated_last_checkpoint_says_how_to_resume_from_the_intact_best(
     assert resume(run, progress=False).step == TRAIN.max_steps
 
 
+@pytest.mark.slow
 def test_a_float16_checkpoint_cannot_be_resumed(data_dir: Path, tmp_path: Path,
                                                 capsys: pytest.CaptureFixture) -> None:
     run = tmp_path / "run"

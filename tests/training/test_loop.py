@@ -44,6 +44,7 @@ def data_dir(char_corpus: Callable[[str], Path]) -> Path:
     return char_corpus("\n".join(SAT_LINES * 60))
 
 
+@pytest.mark.slow
 def test_a_run_that_evaluates_only_at_its_end_skips_the_untrained_baseline(data_dir: Path,
                                                                           tmp_path: Path) -> None:
     """A timed recipe (eval_interval >= max_steps) evaluates once, after its last step; a run with a curve
@@ -226,6 +227,7 @@ def test_best_checkpoint_has_the_lowest_validation_loss(data_dir: Path, tmp_path
     assert load_checkpoint(tmp_path / "run" / BEST).state["best_val_loss"] == pytest.approx(lowest)
 
 
+@pytest.mark.slow
 def test_same_seed_gives_the_same_samples(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=10), progress=False)
     model, tokenizer = load_run(tmp_path / "run")
@@ -384,6 +386,7 @@ def test_the_same_command_with_resume_continues_and_a_different_value_is_refused
     assert resume(run, progress=False, changes={"lr": 0.006, "max_steps": 5}).step == 5
 
 
+@pytest.mark.slow
 def test_a_run_resumed_from_its_step_0_checkpoint_logs_step_0_once(data_dir: Path, tmp_path: Path) -> None:
     config = TRAIN.replace(max_steps=4, eval_interval=2)
     train(tmp_path / "run", data_dir, MODEL, config, stop_at=0, progress=False)

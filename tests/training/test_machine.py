@@ -111,6 +111,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
+@pytest.mark.slow
 def test_a_new_run_saves_the_decided_precision_and_a_resumed_one_never_probes(
         data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bf16_faster: None,
         caplog: pytest.LogCaptureFixture, one_thread: None) -> None:
@@ -213,6 +214,7 @@ def test_the_float32_iterations_match_a_float64_reference_where_bfloat16_rounds(
     assert (half.double() - reference).abs().max() > 1e-3  # what float32 buys: bfloat16 keeps 8 bits
 
 
+@pytest.mark.slow
 def test_a_muon_run_saves_its_newton_schulz_precision_and_resumes_bit_exact(
         data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         one_thread: None) -> None:
