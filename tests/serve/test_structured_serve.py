@@ -4,11 +4,14 @@ object from a random-weight model (BPE vocabulary of a few hundred tokens); comp
 `response_format` and vLLM's `structured_outputs` (json, regex, choice, json_object); a bad or
 unenforceable schema is a 400 naming it and nothing is queued; a constrained row and a free row share
 one batched step, the free one getting exactly its tokens alone; logit_bias moves and bans tokens. The
-slow test sends 200 generated schemas and a set of regexes, eight at a time."""
+slow test sends 200 generated schemas and a set of regexes, eight at a time. Every test of the live server
+runs twice: without speculative decoding and with `--speculative ngram` (constrained rows then verify drafts
+checked against their grammar); greedy constrained output is the same with drafts and without."""
 
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import random
 import re
@@ -41,9 +44,10 @@ from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.batching import Row, Scheduler, Ticket  # noqa: E402
 from gptlab.serve.completion import token_text  # noqa: E402
 from gptlab.serve.schemas import Limits  # noqa: E402
-from gptlab.structured.grammar import json_schema_grammar  # noqa: E402
+from gptlab.speculative import SpeculationConfig  # noqa: E402
+from gptlab.structured.grammar import json_schema_grammar, regex_grammar  # noqa: E402
 from gptlab.text.chat_template import NativeTemplate  # noqa: E402
-from gptlab.text.tokenizer import CharTokenizer  # noqa: E402
+from gptlab.text.tokenizer import CharTokenizer, Tokenizer  # noqa: E402
 
 ASKED = [{"role": "user", "content": "the cat"}]
 
@@ -66,10 +70,15 @@ class Owner(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    model, tokenizer = load_run(build_chat_run(tmp_path_factory.mktemp("structured")))
+def chat_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT, Tokenizer]:
+    return load_run(build_chat_run(tmp_path_factory.mktemp("structured")))
+
+
+@pytest.fixture(scope="module", params=[None, SpeculationConfig()], ids=["plain", "speculative"])
+def live(chat_model: tuple[GPT, Tokenizer], request: pytest.FixtureRequest) -> Iterator[Live]:
+    model, tokenizer = chat_model
     app = create_app(model, tokenizer, "chat", max_batch=8, limits=Limits(max_tokens=512),
-                     template=NativeTemplate())
+                     template=NativeTemplate(), speculation=request.param)
     url, server, thread = start_server(app)
     yield Live(url, app.state.served)
     server.should_exit = True
@@ -191,8 +200,10 @@ def test_logit_bias_moves_and_bans_tokens(live: Live) -> None:
 
 
 def test_a_constrained_row_and_a_free_row_share_a_batch(live: Live) -> None:
+    """With speculation, the constrained row drafts and the free (sampled) one does not."""
     model, tokenizer = live.served.model, live.served.tokenizer
-    scheduler = Scheduler(model, tokenizer, max_batch=4)
+    speculation = live.served.scheduler.speculation
+    scheduler = Scheduler(model, tokenizer, max_batch=4, speculation=speculation)
     prompt = tokenizer.encode("the cat sat")
     free_sampling = SamplingConfig(temperature=0.9, max_new_tokens=40, seed=5)
     free, shaped = Recorder(), Recorder()
@@ -200,13 +211,39 @@ def test_a_constrained_row_and_a_free_row_share_a_batch(live: Live) -> None:
     scheduler.submit([
         Row(0, list(prompt), free_sampling, sampler(free_sampling), None, free, Ticket()),
         Row(0, list(prompt), SamplingConfig(max_new_tokens=300, seed=5), sampler(free_sampling), None, shaped,
-            Ticket(), matcher=grammar.matcher())])
+            Ticket(), matcher=grammar.matcher(), speculative=speculation is not None)])
     run_until(scheduler, lambda: free.ended and shaped.ended)
     assert scheduler.largest_batch == 2
     alone = [int(t) for t in generate(model, [prompt], free_sampling, eot_id=tokenizer.stop_ids)]
     assert free.tokens == alone[:len(free.tokens)] and len(free.tokens) > 0
     jsonschema.validate(json.loads("".join(e.text for e in shaped.events)), PERSON)
     assert shaped.events[-1].finish_reason == "stop"
+
+
+def test_greedy_constrained_output_is_the_same_with_drafts_and_without(
+        chat_model: tuple[GPT, Tokenizer]) -> None:
+    """Rows of one batch, each with a grammar, greedy, with and without drafting (and logit_bias, which
+    applies to verified tokens alike): token for token the same, and drafts were verified."""
+    model, tokenizer = chat_model
+    scheduler = Scheduler(model, tokenizer, max_batch=8, speculation=SpeculationConfig())
+    prompt = tokenizer.encode("the cat sat on the mat")
+    quote = tokenizer.encode('"')[0]
+    settings = [SamplingConfig(temperature=0, max_new_tokens=300),
+                SamplingConfig(temperature=0, max_new_tokens=300, logit_bias={quote: -5.0})]
+    grammars = [json_schema_grammar(tokenizer, PERSON), regex_grammar(tokenizer, "(the (cat|mat) ){2,6}sat")]
+    recorders = {}
+    for (i, grammar), (j, sampling), speculative in itertools.product(
+            enumerate(grammars), enumerate(settings), (False, True)):
+        recorders[i, j, speculative] = Recorder()
+        scheduler.submit([Row(0, list(prompt), sampling, None, None, recorders[i, j, speculative], Ticket(),
+                              matcher=grammar.matcher(), speculative=speculative)])
+    run_until(scheduler, lambda: all(r.ended for r in recorders.values()))
+    for (i, j, speculative), recorder in recorders.items():
+        if speculative:
+            assert recorder.tokens == recorders[i, j, False].tokens and recorder.tokens
+            assert recorder.events[-1].finish_reason == recorders[i, j, False].events[-1].finish_reason
+    stats = scheduler.speculation_stats
+    assert stats.drafted > 0 and stats.accepted > 0, stats
 
 
 @pytest.mark.slow

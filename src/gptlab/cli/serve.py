@@ -13,6 +13,7 @@ from gptlab.cli.common import add_device_option, add_weight_options
 
 if TYPE_CHECKING:  # fastapi and torch are imported when the command runs, not when the parser is built
     from gptlab.serve.server import ServedRun
+    from gptlab.speculative import SpeculationConfig
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -30,6 +31,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "the GPTLAB_API_KEY environment variable or in a file given with --api-key-file")
     if min(args.max_batch or 1, args.max_tokens, args.threads) < 1:
         raise ValueError("--max-batch, --max-tokens and --threads must be at least 1")
+    if args.prefix_cache_mb < 0:
+        raise ValueError(f"--prefix-cache-mb {args.prefix_cache_mb} must be at least 0 (0 turns it off)")
+    speculation = speculation_of(args)
     api_key = read_api_key(args.api_key_file, os.environ)
     allowed = (parse_allowed_hosts(args.allowed_hosts) if args.allowed_hosts is not None
                else default_allowed_hosts(args.host))
@@ -42,7 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         served = app_for_run(args.run, args.device, args.dtype, args.quantize, api_key=api_key,
                              max_batch=args.max_batch, limits=limits, allowed_hosts=allowed,
-                             metrics=not args.no_metrics)
+                             metrics=not args.no_metrics, speculation=speculation,
+                             prefix_cache_bytes=int(args.prefix_cache_mb * 2**20))
     except BaseException:
         sock.close()
         raise
@@ -51,6 +56,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run_app(served.app, sock)
     print("stopped", flush=True)
     return 0
+
+
+def speculation_of(args: argparse.Namespace) -> SpeculationConfig | None:
+    """The SpeculationConfig --speculative, --draft-tokens and --ngram describe, or None without
+    --speculative (a bad value's error names its flag)."""
+    from gptlab.speculative import SpeculationConfig
+
+    given = {name: value for name in ("draft_tokens", "ngram") if (value := getattr(args, name)) is not None}
+    if args.speculative is None:
+        if given:
+            raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --speculative ngram")
+        return None
+    try:
+        return SpeculationConfig(**given)
+    except ValueError as err:
+        raise ValueError(str(err).replace("SpeculationConfig.draft_tokens", "--draft-tokens")
+                         .replace("SpeculationConfig.ngram", "--ngram")) from None
 
 
 def bind(listen: Callable[[str, int], socket.socket], host: str, port: int) -> socket.socket:
@@ -128,11 +150,30 @@ def add_serve_command(sub: Any) -> None:
                        "OpenAI)")
     serve.add_argument("--max-stop-chars", type=int, default=64,
                        help="characters per stop string (default 64)")
+    serve.add_argument("--prefix-cache-mb", type=float, default=256, metavar="MB", help="memory for the keys "
+                       "and values of finished requests, reused by later prompts that start with the same "
+                       "tokens (a chat's history); least recently used first out; 0 turns it off (default "
+                       "256)")
     serve.add_argument("--no-metrics", action="store_true", help="answer GET /metrics (Prometheus' text "
                        "format, behind the API key when there is one) with 404, and count nothing")
     serve.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                        help="CPU threads of the decode thread's tensor operations (default: all cores "
                        "but one, which is left to the HTTP event loop)")
+    add_speculation_options(serve)
     add_device_option(serve)
     add_weight_options(serve)
     serve.set_defaults(func=cmd_serve)
+
+
+def add_speculation_options(serve: argparse.ArgumentParser) -> None:
+    """--speculative, --draft-tokens and --ngram, in a group of their own."""
+    speculative = serve.add_argument_group(
+        "speculative decoding", "draft tokens by finding the last n tokens earlier in the prompt and output, "
+        "and verify them in one forward pass per row: greedy output is unchanged, sampled output keeps the "
+        "model's distribution (but a seed gives other samples than without it); a request's "
+        "\"speculative\": false turns it off")
+    speculative.add_argument("--speculative", choices=["ngram"], help="prompt lookup for every request")
+    speculative.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted and verified per "
+                             "step (default 4)")
+    speculative.add_argument("--ngram", type=int, metavar="N", help="longest n-gram looked up, falling back "
+                             "to shorter ones (default 3)")

@@ -43,6 +43,7 @@ from gptlab.serve.chat import ChatServing, chat_text_ids, start_chat
 from gptlab.serve.completion import Completion, Served, start_completion
 from gptlab.serve.guard import LOOPBACK_NAMES, Guard
 from gptlab.serve.page import playground
+from gptlab.serve.prefix_cache import DEFAULT_BUDGET
 from gptlab.serve.prometheus import Metrics, instrument
 from gptlab.serve.schemas import (
     MAX_DEPTH,
@@ -58,6 +59,7 @@ from gptlab.serve.schemas import (
     parse,
     with_defaults,
 )
+from gptlab.speculative import SpeculationConfig
 from gptlab.text.chat_template import ChatTemplate, NativeTemplate
 from gptlab.text.tokenizer import Tokenizer
 
@@ -68,13 +70,15 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
                max_batch: int = 64, limits: Limits | None = None,
                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES,
                defaults: Mapping[str, Any] | None = None, template: ChatTemplate | None = None,
-               metrics: bool = True) -> FastAPI:
+               metrics: bool = True, speculation: SpeculationConfig | None = None,
+               prefix_cache_bytes: int = DEFAULT_BUDGET) -> FastAPI:
     """The server's ASGI app for one model; its decode thread runs while the app's lifespan does.
 
     `allowed_hosts`: the Host names it answers to (None: any); `defaults`: sampling values (temperature,
     top_p, top_k) for the fields a request does not set, such as an imported model's generation_config;
     `template`: the run's chat template (`text.chat_template.template_from_state`; default the native one);
-    `metrics`: whether to count and answer GET /metrics."""
+    `metrics`: whether to count and answer GET /metrics; `speculation`: prompt-lookup decoding for every
+    request that does not turn it off; `prefix_cache_bytes`: the prefix cache's budget (0: none)."""
     if not model.config.causal:
         raise ValueError("gptlab serve needs a causal model: causal=False is only for demonstrations")
     limits = limits or Limits()
@@ -86,7 +90,8 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
     if unknown:
         raise ValueError(f"sampling defaults {sorted(unknown)} are not among {', '.join(SAMPLING_DEFAULTS)}")
     scheduler = Scheduler(model, tokenizer, max_batch, max_context=limits.max_context,
-                          max_waiting=limits.max_waiting, prefill_chunk=limits.prefill_chunk)
+                          max_waiting=limits.max_waiting, prefill_chunk=limits.prefill_chunk,
+                          speculation=speculation, prefix_cache_bytes=prefix_cache_bytes)
     served = Served(model, tokenizer, name, scheduler, api_key, limits, max_choices=2 * max_batch,
                     created=int(time.time()), defaults=dict(defaults or {}))
     # No /docs pages: they load scripts from a CDN, and nothing this server shows may fetch anything.

@@ -16,12 +16,20 @@ keeps its own count of tokens and its own positions, and each iteration of the d
   its prompt but the last token is in the cache; a row still prefilling runs a stand-in token there
   that the cache forgets again (`KVCache.rewind`), so the rows in use are always the first ones and
   need no reordering. A row that leaves gets the last row moved into its place.
+- with speculative decoding (`speculation`, rows whose request did not turn it off), a row that drafts
+  tokens by prompt lookup runs its newest token and the draft in a pass of its own (a stand-in in the
+  batched step), and its next sampling keeps the accepted ones and the model's own token
+  (`serve.speculation`); the cache forgets the rest. Rows without a draft decode as before, in the
+  same steps; a lone row that drafts needs no batched pass at all.
+- with a prefix cache (`prefix_cache_bytes`), a row that leaves hands its tokens' keys and values to it,
+  and a row that joins starts from the longest prefix of its prompt kept there (`serve.prefix_cache`).
 - learned positions restart a row's window as `generate` does (`window_start`): the row's kept
   tokens are prefilled again, in chunks like a prompt.
 
-Memory follows need: a row needs min(block_size, max_context, prompt + max_tokens) slots, and the
-cache is resized (rows to a power of two, slots to a multiple of SLOT_STEP) when a row joins that it
-cannot hold, shrunk when it is four times what the rows need, and freed when the server is idle.
+Memory follows need: a row needs min(block_size, max_context, prompt + max_tokens) slots (draft_tokens
+more for a row that slides past the window while speculating: `max_slots`), and the cache is resized
+(rows to a power of two, slots to a multiple of SLOT_STEP) when a row joins that it cannot hold,
+shrunk when it is four times what the rows need, and freed when the server is idle.
 
 A batched step computes the same logits as a one-row step up to float rounding (~1e-6: other kernel
 paths, a mask instead of none, a prompt run in chunks), so a row's tokens equal `generate`'s alone
@@ -37,117 +45,27 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gptlab.config import SamplingConfig
 from gptlab.generate import Chunk, text_chunks, window_start
 from gptlab.kv_cache import KVCache
 from gptlab.model import GPT
 from gptlab.sampling import next_token, within_vocabulary
+from gptlab.serve.prefix_cache import PrefixCache
+from gptlab.serve.rows import Event, Feed, Observer, QueueFull, Row, Ticket
+from gptlab.serve.speculation import draft_for, verified
+from gptlab.speculative import SpeculationConfig, SpeculationStats
 from gptlab.structured.generation import choose, settled
-from gptlab.structured.grammar import Matcher
 from gptlab.text.tokenizer import Tokenizer
 
+# The rows' types live in `serve.rows`; they are named here too, where callers have always found them.
+__all__ = ["SLOT_STEP", "Event", "Feed", "Observer", "QueueFull", "Row", "Scheduler", "Ticket"]
+
 SLOT_STEP = 64  # the cache's slots per row grow in steps of this many
-
-
-class QueueFull(Exception):
-    """`Scheduler.submit` refused rows: the waiting queue is full. Try again in `retry_after` seconds."""
-
-    def __init__(self, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class Event:
-    """What the decode thread reports for one choice: a token and the text it released, or the end.
-
-    `top` holds the `logprobs` most likely tokens and their log-probabilities under the model's raw
-    distribution (softmax of the logits, before temperature, top-k and top-p), as OpenAI reports them.
-    The last event of a choice has `finish_reason` ("eot", "stop", "length", "deadline") or `error`
-    set; `status` is the HTTP status that error deserves.
-    """
-
-    index: int
-    text: str
-    token: int | None = None
-    logprob: float | None = None
-    top: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    error: str | None = None
-    status: int = 503
-
-
-class Feed:
-    """The tokens of one row, handed to `text_chunks` one at a time; empty means the row is over."""
-
-    def __init__(self) -> None:
-        self.tokens: deque[int] = deque()
-
-    def __iter__(self) -> Iterator[int]:
-        return self
-
-    def __next__(self) -> int:
-        if not self.tokens:
-            raise StopIteration
-        return self.tokens.popleft()
-
-
-@dataclass(eq=False)
-class Row:
-    """One choice being decoded: its window of token ids, its sampler and where its events go.
-
-    `deadline` is a `time.monotonic()` instant: a row still waiting then never starts (an error
-    event, status 503), a running one ends with finish_reason "deadline", keeping its tokens.
-    """
-
-    index: int
-    ids: list[int]
-    sampling: SamplingConfig
-    generator: torch.Generator | None
-    logprobs: int | None
-    emit: Callable[[Event], None]
-    ticket: Ticket
-    deadline: float | None = None
-    start: int = 0  # the first token of the window (moved only by learned positions)
-    generated: list[int] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)  # tokens not yet in the cache
-    logits: torch.Tensor | None = None  # (1, V) for the next token, once every token is in
-    feed: Feed = field(default_factory=Feed)
-    chunks: Iterator[Chunk] | None = None
-    slot: int = -1  # its row of the cache
-    need: int = 0  # the cache slots it can ever use
-    order: int = 0  # admission order: prompts are prefilled oldest first
-    clock: float = field(default_factory=time.monotonic)  # when it was queued, then when it last sampled
-    matcher: Matcher | None = None  # structured output: the row's place in its grammar
-
-
-class Ticket:
-    """A request's handle on its rows: `cancel()` frees their slots at the next step."""
-
-    def __init__(self) -> None:
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-class Observer:
-    """What the decode thread reports as it goes, to metrics (`serve.prometheus`), on the decode thread;
-    this one ignores it."""
-
-    def admitted(self, row: Row) -> None:
-        """`row` left the queue: its prompt is prefilled next (or it ends at once, asking for no tokens)."""
-
-    def sampled(self, row: Row, seconds: float) -> None:
-        """`row` sampled a token `seconds` after its previous one (after it was queued, for its first)."""
 
 
 class Scheduler:
@@ -158,10 +76,13 @@ class Scheduler:
     steps (work that must not overlap decoding, such as recording attention with hooks on the model).
     `max_context` (default and at most block_size) caps a row's tokens, prompt and generated: below
     block_size a row ends ("length") when it holds that many; at block_size it slides as generate does.
+    `speculation`: prompt lookup for the rows that ask for it; `prefix_cache_bytes`: the prefix cache's
+    budget (0: none).
     """
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, max_batch: int = 64, *,
-                 max_context: int | None = None, max_waiting: int = 256, prefill_chunk: int = 256) -> None:
+                 max_context: int | None = None, max_waiting: int = 256, prefill_chunk: int = 256,
+                 speculation: SpeculationConfig | None = None, prefix_cache_bytes: int = 0) -> None:
         for name, value in (("max_batch", max_batch), ("max_context", max_context or 1),
                             ("prefill_chunk", prefill_chunk)):
             if value < 1:
@@ -173,7 +94,13 @@ class Scheduler:
         self.device, self.dtype = weight.device, weight.dtype
         self.max_batch, self.max_waiting, self.prefill_chunk = max_batch, max_waiting, prefill_chunk
         self.max_context = min(max_context or self.config.block_size, self.config.block_size)
+        self.speculation, self.speculation_stats = speculation, SpeculationStats()
+        # A row that slides past the window holds a ring of max_context slots, and draft_tokens more when
+        # speculating: a verified chunk then only overwrites keys out of every later query's window.
+        self.slides = self.max_context == self.config.block_size and self.config.positions != "learned"
+        self.max_slots = self.max_context + (speculation.draft_tokens if speculation and self.slides else 0)
         self.cache = KVCache(self.config, 0, self._slots(0), self.device, self.dtype)  # grows with the rows
+        self.prefix = PrefixCache(prefix_cache_bytes)
         self.rows: list[Row] = []  # the active rows, row i in slot i
         self.waiting: deque[Row] = deque()
         self.calls: deque[tuple[Callable[[], Any], Future]] = deque()
@@ -308,12 +235,16 @@ class Scheduler:
                 continue
             row.ids = row.ids[-self.max_context:]
             row.pending, row.logits, row.order = list(row.ids), None, next(self._order)
-            row.need = min(self.max_context, len(row.ids) + row.sampling.max_new_tokens)
+            row.need = min(self.max_slots, len(row.ids) + row.sampling.max_new_tokens)
             row.slot = len(self.rows)
             self.rows.append(row)
             self.admitted += 1
             self._fit()
             self.cache.clear(row.slot)
+            if self.prefix.budget:
+                reused = self.prefix.reuse(row.ids, self.cache, row.slot)
+                row.pending = row.ids[reused:]
+                self.observer.looked_up(row, reused)
 
     def _fit(self) -> None:
         """Size the cache to the rows: grow to hold them, shrink when it is four times what they need,
@@ -328,9 +259,9 @@ class Scheduler:
             self.cache.resize(rows, slots)
 
     def _slots(self, need: int) -> int:
-        """Slots per row for rows that need at most `need`: a multiple of SLOT_STEP, at most max_context
-        (so that only a row as long as max_context = block_size ever wraps its ring)."""
-        return min(max(-(-need // SLOT_STEP), 1) * SLOT_STEP, self.max_context)
+        """Slots per row for rows that need at most `need`: a multiple of SLOT_STEP, at most max_slots
+        (so that only a row that slides past max_context = block_size ever wraps its ring)."""
+        return min(max(-(-need // SLOT_STEP), 1) * SLOT_STEP, self.max_slots)
 
     def _prefill(self) -> None:
         """Feed at most prefill_chunk prompt tokens, oldest prompts first, all but each prompt's last
@@ -346,41 +277,83 @@ class Scheduler:
                 break
 
     def _decode(self) -> None:
-        """The batched step: each row's newest token (a stand-in for rows still prefilling), one pass."""
+        """The batched step: each row's newest token (a stand-in for rows still prefilling or drafting), one
+        pass; then each row with a draft runs its newest token and the draft in a pass of its own."""
         ready = [len(row.pending) == 1 for row in self.rows]
         if not any(ready):
             return
-        # Rows join at the end, so prompts still prefilling are mostly after the last ready row.
-        rows = self.rows[:max(i for i, go in enumerate(ready) if go) + 1]
-        # A stand-in's key goes to the slot the row's next prompt chunk overwrites; rewind forgets it.
-        newest = [row.pending[0] if go else 0 for row, go in zip(rows, ready, strict=False)]
-        self.cache.select(0, len(rows))
-        logits = self.model(torch.tensor(newest, device=self.device)[:, None], cache=self.cache,
-                            last_only=True)[0][:, -1]  # (B, V)
-        logits = within_vocabulary(logits, self.tokenizer.vocab_size)
-        for row, go in zip(rows, ready, strict=False):
-            if go:
-                row.pending, row.logits = [], logits[row.slot:row.slot + 1]  # (1, V)
-            else:
-                self.cache.rewind(row.slot)
+        drafting = [go and self._draft(row) for row, go in zip(self.rows, ready, strict=True)]
+        plain = [go and not drafts for go, drafts in zip(ready, drafting, strict=True)]
+        if any(plain):
+            # Rows join at the end, so prompts still prefilling are mostly after the last ready row.
+            rows = self.rows[:max(i for i, go in enumerate(plain) if go) + 1]
+            # A stand-in's key goes to the slot the row's next chunk (prompt or draft) overwrites; rewind
+            # forgets it.
+            newest = [row.pending[0] if go else 0 for row, go in zip(rows, plain, strict=False)]
+            self.cache.select(0, len(rows))
+            logits = self.model(torch.tensor(newest, device=self.device)[:, None], cache=self.cache,
+                                last_only=True)[0][:, -1]  # (B, V)
+            logits = within_vocabulary(logits, self.tokenizer.vocab_size)
+            for row, go in zip(rows, plain, strict=False):
+                if go:
+                    row.pending, row.logits = [], logits[row.slot:row.slot + 1]  # (1, V)
+                else:
+                    self.cache.rewind(row.slot)
+        for row, drafts in zip(self.rows, drafting, strict=True):
+            if drafts:  # the newest token and the draft, through the cache: logits after each
+                self.cache.select(row.slot, row.slot + 1)
+                chunk = torch.tensor([row.pending + row.draft], device=self.device)  # (1, 1 + d)
+                row.logits = within_vocabulary(self.model(chunk, cache=self.cache)[0][0],
+                                               self.tokenizer.vocab_size)  # (1 + d, V)
+                row.pending = []
         self.steps += 1
         self.largest_batch = max(self.largest_batch, sum(ready))
 
+    def _draft(self, row: Row) -> bool:
+        """Draft tokens by prompt lookup for a ready row that speculates (`row.draft`, with `row.masks` under
+        a grammar); whether it has any. The newest token and the draft never cross the ring's end, and the
+        draft and the model's token after it fit in max_tokens and, for a row that cannot slide (learned
+        positions, or a max_context below the window), in max_context: such a row ends at its last
+        verified token."""
+        if self.speculation is None or not row.speculative:
+            return False
+        capacity, fed = self.cache.capacity, self.cache.fed[row.slot]
+        room = min(capacity - fed % capacity - 1, row.sampling.max_new_tokens - len(row.generated) - 1)
+        if not self.slides:  # the row ends at max_context, or restarts its window (learned positions)
+            room = min(room, self.max_context - (len(row.ids) - row.start) - 1)
+        row.draft, row.masks = draft_for(row.ids, room, self.speculation, row.matcher)
+        return bool(row.draft)
+
     def _sample(self, row: Row) -> bool:
-        """Choose the row's next token, report it; whether the row is over."""
+        """Choose the row's next token (after a verified draft, tokens) and report each; whether the row
+        is over."""
         assert row.logits is not None and row.chunks is not None
-        token = self._choose(row)
-        if token is None:  # the row's grammar ends it here: complete, or unable to go on
+        tokens = self._choose(row)
+        logits, draft, row.logits, row.draft, row.masks = row.logits, row.draft, None, [], []
+        if tokens is None:  # the row's grammar ends it here: complete, or unable to go on
             assert row.matcher is not None
             self._finish(row, next(row.chunks), "stop" if row.matcher.complete else "length")
             return True
+        if draft:  # the cache keeps the newest token and the accepted drafted ones, the last token is next
+            self.cache.rewind(row.slot, len(draft) + 1 - len(tokens))
+            self.speculation_stats.record(len(draft), len(tokens) - 1)
+            self.observer.speculated(row, len(draft), len(tokens) - 1)
+        for i, token in enumerate(tokens):
+            if self._take(row, token, logits[i:i + 1]):
+                return True
+        return False
+
+    def _take(self, row: Row, token: int, logits: torch.Tensor) -> bool:
+        """Append a chosen token to the row and report it, given the logits (1, V) it was chosen from;
+        whether the row is over."""
+        assert row.chunks is not None
         row.generated.append(token)
         row.ids.append(token)
         row.feed.tokens.append(token)
         now = time.monotonic()
         self.observer.sampled(row, now - row.clock)
         row.clock = now
-        row.pending, logits, row.logits = [token], row.logits, None
+        row.pending = [token]
         chunk = next(row.chunks)
         eot = token in self.tokenizer.stop_ids or (row.matcher is not None and token in row.matcher.end_ids)
         if not eot:
@@ -396,15 +369,17 @@ class Scheduler:
             return True
         return False
 
-    def _choose(self, row: Row) -> int | None:
-        """The row's next token from its logits, within its grammar if it has one (then None when the
-        grammar ends the row). A token the grammar engine does not follow is never kept: the row ends
-        there, incomplete."""
+    def _choose(self, row: Row) -> list[int] | None:
+        """The row's next token from its logits (after a draft, the tokens its verification keeps), within
+        its grammar if it has one (then None when the grammar ends the row). A token the grammar engine
+        does not follow is never kept: the row ends there, incomplete."""
         assert row.logits is not None
+        if row.draft:
+            return verified(row.logits, row.draft, row.masks, row.matcher, row.sampling, row.generator)
         if row.matcher is None:
-            return int(next_token(row.logits, row.sampling, row.generator))
+            return [int(next_token(row.logits, row.sampling, row.generator))]
         token = choose(row.logits, row.matcher, row.sampling, row.generator)
-        return None if token is None or not row.matcher.advance(token) else token
+        return None if token is None or not row.matcher.advance(token) else [token]
 
     def _stop_found(self, row: Row) -> bool:
         """Whether a stop string has appeared in the row's text (the test text_chunks applies)."""
@@ -425,7 +400,13 @@ class Scheduler:
                        completion_tokens=len(row.generated)))
 
     def _remove(self, row: Row) -> None:
-        """Free the row's slot: the last active row moves into it."""
+        """Free the row's slot (its tokens' keys and values kept in the prefix cache when they sit at
+        positions 0 ..): the last active row moves into it."""
+        fed = self.cache.fed[row.slot]
+        if self.prefix.budget and row.start == 0 and 0 < fed <= self.cache.capacity:
+            # a draft after a stop token may have left more tokens in the cache than the row kept, and
+            # no prompt reuses more than the window
+            self.prefix.keep(row.ids[:min(fed, self.config.block_size)], self.cache, row.slot)
         last = self.rows.pop()
         if last is not row:
             self.cache.move(last.slot, row.slot)

@@ -19,7 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gptlab.serve.batching import Event
 from gptlab.serve.completion import (
     FINISH_REASONS,
     Completion,
@@ -28,9 +27,11 @@ from gptlab.serve.completion import (
     check_prompt,
     finite,
     queue_rows,
+    speculating,
     token_text,
 )
 from gptlab.serve.constraints import check_bias, request_grammar
+from gptlab.serve.rows import Event
 from gptlab.serve.schemas import APIError, ChatMessage, ChatRequest, sampling_config
 from gptlab.text.chat_template import ChatTemplate, missing_tokens
 from gptlab.text.tokenizer import Tokenizer
@@ -83,6 +84,7 @@ def start_chat(body: ChatRequest, served: Served, chat: ChatServing) -> ChatComp
     check_choices(body.n, served)
     sampling = sampling_config(body, body.seed, served.limits)
     check_bias(sampling, served.tokenizer)
+    speculative = speculating(body, served)
     try:
         text, ids = chat_text_ids(chat, served, body.messages, "")
     except ValueError as err:  # a character the tokenizer cannot encode
@@ -94,7 +96,7 @@ def start_chat(body: ChatRequest, served: Served, chat: ChatServing) -> ChatComp
     check_prompt(ids, served, "messages", sampling.max_new_tokens)
     job = ChatCompletion(body, served, [text], len(ids), chat.hidden)
     stops = chat.stops if grammar is None else ()
-    queue_rows(job, [ids], sampling.replace(stop=(*sampling.stop, *stops)), grammar)
+    queue_rows(job, [ids], sampling.replace(stop=(*sampling.stop, *stops)), grammar, speculative)
     return job
 
 

@@ -27,8 +27,9 @@ import torch
 from gptlab.config import SamplingConfig
 from gptlab.model import GPT
 from gptlab.sampling import sampler
-from gptlab.serve.batching import Event, QueueFull, Row, Scheduler, Ticket
+from gptlab.serve.batching import Scheduler
 from gptlab.serve.constraints import check_bias, request_grammar
+from gptlab.serve.rows import Event, QueueFull, Row, Ticket
 from gptlab.serve.schemas import APIError, CompletionRequest, Limits, SamplingRequest, sampling_config
 from gptlab.structured.grammar import Grammar
 from gptlab.text.tokenizer import Tokenizer
@@ -102,6 +103,7 @@ async def start_completion(body: CompletionRequest, served: Served) -> Completio
     check_choices(len(prompts) * body.n, served)
     sampling = sampling_config(body, body.seed, served.limits)
     check_bias(sampling, served.tokenizer)
+    speculative = speculating(body, served)
     grammar = request_grammar(body, served.tokenizer, served.tokenizer.stop_ids)
     single = len(prompts) == 1 and body.prompt is prompts[0]
     encoded = [encode_prompt(p, served, "prompt" if single else f"prompt[{i}]", sampling.max_new_tokens)
@@ -116,7 +118,7 @@ async def start_completion(body: CompletionRequest, served: Served) -> Completio
             echoes = await asyncio.wrap_future(served.scheduler.call(
                 lambda: [prompt_logprobs(served.model, served.tokenizer, ids, top) for ids in encoded]))
     job = Completion(body, served, texts, sum(map(len, encoded)), echoes)
-    queue_rows(job, encoded, sampling, grammar)
+    queue_rows(job, encoded, sampling, grammar, speculative)
     return job
 
 
@@ -143,6 +145,17 @@ def prompt_logprobs(model: GPT, tokenizer: Tokenizer, ids: list[int], top: int) 
             "top_logprobs": [None, *tops], "text_offset": offsets}
 
 
+def speculating(body: SamplingRequest, served: Served) -> bool:
+    """Whether a request's rows draft tokens: when the server speculates, unless the request says
+    `"speculative": false`; a 400 for `"speculative": true` on a server that does not."""
+    available = served.scheduler.speculation is not None
+    if body.speculative and not available:
+        raise APIError(400, "speculative: this server was started without speculative decoding (gptlab serve "
+                       "--speculative ngram turns it on): leave the field out or set it to false",
+                       "speculative", "unsupported_value")
+    return available and body.speculative is not False
+
+
 def check_choices(choices: int, served: Served) -> None:
     if choices > served.max_choices:
         raise APIError(400, f"{choices} choices (prompts x n) are more than the {served.max_choices} one "
@@ -150,9 +163,9 @@ def check_choices(choices: int, served: Served) -> None:
 
 
 def queue_rows(job: Completion, encoded: Sequence[list[int]], sampling: SamplingConfig,
-               grammar: Grammar | None = None) -> None:
+               grammar: Grammar | None = None, speculative: bool = False) -> None:
     """Queue n rows per prompt on the decode thread, all or none (a full queue is a 429); with a grammar
-    (structured output), each row follows its own matcher."""
+    (structured output), each row follows its own matcher; `speculative`: the rows draft tokens."""
     body, served = job.body, job.served
     device = next(served.model.parameters()).device
     deadline = time.monotonic() + served.limits.request_timeout
@@ -163,7 +176,7 @@ def queue_rows(job: Completion, encoded: Sequence[list[int]], sampling: Sampling
         choice = sampling.replace(seed=seed)
         rows.append(Row(index, list(encoded[index // body.n]), choice, sampler(choice, device),
                         body.logprobs_count(), job.emit, job.ticket, deadline=deadline,
-                        matcher=None if grammar is None else grammar.matcher()))
+                        matcher=None if grammar is None else grammar.matcher(), speculative=speculative))
     try:
         served.scheduler.submit(rows)
     except QueueFull as full:

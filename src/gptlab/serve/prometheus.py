@@ -5,10 +5,12 @@ one process (the tests do this) keep apart. Three sources fill it:
 - `RequestCounter`, an ASGI middleware outside the others, counts every response by its route's
   template (`/v1/models/{model_id}`, never the path a client sent, which would let clients add labels
   without end) and status, refusals included (400, 401, 404, 405, 421, 429);
-- the decode thread reports each row it takes from the queue and each token it samples
-  (`batching.Observer`): prompt and generated tokens, time to first token and between tokens;
-- running and waiting rows and the KV cache's bytes are read from the scheduler when scraped, which
-  costs the decode thread nothing.
+- the decode thread reports each row it takes from the queue, each token it samples, each prompt it
+  looks up in the prefix cache and each draft it verifies (`rows.Observer`): prompt and generated
+  tokens, time to first token and between tokens, prefix cache queries and hits, drafted and accepted
+  tokens;
+- running and waiting rows and the bytes of the KV cache and the prefix cache are read from the
+  scheduler when scraped, which costs the decode thread nothing.
 Names follow Prometheus' conventions (seconds and bytes, `_total` on counters); docs/serve.md maps each
 to vLLM's and llama.cpp's.
 """
@@ -22,8 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from starlette.routing import BaseRoute, Match, Route
 
-from gptlab.serve.batching import Observer, Row, Scheduler
+from gptlab.serve.batching import Scheduler
 from gptlab.serve.guard import ASGIApp, Message, Receive, Scope, Send
+from gptlab.serve.rows import Observer, Row
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -57,6 +60,16 @@ class Metrics(Observer):
             lambda: len(scheduler.waiting))
         Gauge("gptlab_kv_cache_bytes", "Bytes the KV cache holds (it grows and shrinks with the rows)",
               registry=into).set_function(lambda: cache_bytes(scheduler))
+        self.prefix_queries = Counter("gptlab_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache", registry=into)
+        self.prefix_hits = Counter("gptlab_prefix_cache_hits", "Prompt tokens found in the prefix cache, "
+                                   "whose prefill was skipped", registry=into)
+        Gauge("gptlab_prefix_cache_bytes", "Bytes the prefix cache holds (within its budget)",
+              registry=into).set_function(lambda: scheduler.prefix.bytes)
+        self.drafted = Counter("gptlab_speculative_draft_tokens", "Tokens drafted by prompt lookup and "
+                               "verified", registry=into)
+        self.accepted = Counter("gptlab_speculative_accepted_tokens", "Drafted tokens the model accepted",
+                                registry=into)
 
     def admitted(self, row: Row) -> None:
         self.prompt_tokens.inc(len(row.ids))
@@ -64,6 +77,14 @@ class Metrics(Observer):
     def sampled(self, row: Row, seconds: float) -> None:
         self.generation_tokens.inc()
         (self.first_token if len(row.generated) == 1 else self.inter_token).observe(seconds)
+
+    def looked_up(self, row: Row, reused: int) -> None:
+        self.prefix_queries.inc(len(row.ids))
+        self.prefix_hits.inc(reused)
+
+    def speculated(self, row: Row, drafted: int, accepted: int) -> None:
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
         """The metrics and their content type, in the format the Accept header asks for (Prometheus'

@@ -10,7 +10,8 @@ naming the field.
 Fields OpenAI defines that gptlab cannot honour (suffix, penalties, echo when streamed) are accepted at
 their neutral values, so clients that always send them work, and refused otherwise. Structured output
 is asked for with OpenAI's `response_format` or vLLM's `structured_outputs` (`ResponseFormat`,
-`StructuredOutputs`; compiled by `serve.constraints`). A prompt
+`StructuredOutputs`; compiled by `serve.constraints`); `speculative` (an extension) turns the server's
+speculative decoding off for one request, or asks for it. A prompt
 may be text or token ids, as OpenAI's completions API allows (lm-eval sends ids). `TokenizeRequest` and
 `DetokenizeRequest` are the bodies of vLLM's /tokenize and /detokenize, which lm-eval's remote tokenizer
 calls.
@@ -136,6 +137,7 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # an extension: vLLM's
+    speculative: bool | None = None  # an extension: False turns speculative decoding off (None: the server's)
 
     @property
     def token_limit(self) -> tuple[int | None, str]:

@@ -18,8 +18,10 @@ from gptlab.checkpoint import generation_defaults, load_for_inference, load_head
 from gptlab.common import resolve_device
 from gptlab.serve.app import create_app
 from gptlab.serve.guard import LOOPBACK_NAMES
+from gptlab.serve.prefix_cache import DEFAULT_BUDGET
 from gptlab.serve.schemas import SAMPLING_DEFAULTS, Limits
 from gptlab.serve.sizing import Plan, available_memory, plan_memory, weights_bytes
+from gptlab.speculative import SpeculationConfig
 from gptlab.text.chat_template import template_from_state
 
 if TYPE_CHECKING:
@@ -37,12 +39,14 @@ class ServedRun:
 
 def app_for_run(run: str | Path, device: str = "cpu", dtype: str = "float32", quantize: str = "none", *,
                 api_key: str | None = None, max_batch: int | None = None, limits: Limits | None = None,
-                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES, metrics: bool = True) -> ServedRun:
+                allowed_hosts: Collection[str] | None = LOOPBACK_NAMES, metrics: bool = True,
+                speculation: SpeculationConfig | None = None, prefix_cache_bytes: int = DEFAULT_BUDGET
+                ) -> ServedRun:
     """The app serving a run folder or checkpoint, named as given (a link by its own name), its weights held
     in `dtype` or quantised (`checkpoint.load_for_inference`). `max_batch` None: the largest batch up to 64
     that fits in the memory free before loading (`sizing.plan_memory`); the run's sampling defaults (an
     imported model's generation_config.json) fill what a request leaves out; its chat template, chats;
-    `metrics` False: no GET /metrics."""
+    `metrics` False: no GET /metrics; `speculation` and `prefix_cache_bytes`: as `create_app` takes them."""
     limits = limits or Limits()
     torch_device = resolve_device(device)
     free = available_memory(torch_device)  # before the weights take their share
@@ -54,7 +58,8 @@ def app_for_run(run: str | Path, device: str = "cpu", dtype: str = "float32", qu
     defaults = {k: v for k, v in generation_defaults(run).items() if k in SAMPLING_DEFAULTS}
     template = template_from_state(load_header(run).state)
     app = create_app(model, tokenizer, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
-                     allowed_hosts=allowed_hosts, defaults=defaults, template=template, metrics=metrics)
+                     allowed_hosts=allowed_hosts, defaults=defaults, template=template, metrics=metrics,
+                     speculation=speculation, prefix_cache_bytes=prefix_cache_bytes)
     return ServedRun(app, name, plan)
 
 

@@ -181,10 +181,18 @@ class Matcher:
     `complete` turns true when the grammar has ended the output validly: its end id was chosen, or the
     grammar accepts and allows nothing more. A row cut short (max tokens) is never complete."""
 
-    def __init__(self, grammar: Grammar) -> None:
+    def __init__(self, grammar: Grammar, state: Any = None) -> None:
+        """`state`: the engine's matcher to continue from (`copy`); default a fresh one."""
         self.grammar, self.vocabulary = grammar, grammar.vocabulary
-        self.state = engine().LLMatcher(self.vocabulary.lltokenizer, grammar.text, log_level=0)
+        self.state = state if state is not None else \
+            engine().LLMatcher(self.vocabulary.lltokenizer, grammar.text, log_level=0)
         self.complete = False
+
+    def copy(self) -> Matcher:
+        """An independent matcher at the same place: to follow drafted tokens without moving this one."""
+        twin = Matcher(self.grammar, self.state.deep_copy())
+        twin.complete = self.complete
+        return twin
 
     @property
     def end_ids(self) -> frozenset[int]:
