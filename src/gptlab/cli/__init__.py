@@ -17,6 +17,7 @@ from types import FrameType
 from typing import Any
 
 from gptlab.cli.adapt import add_adapt_commands
+from gptlab.cli.attribute import add_attribution_commands
 from gptlab.cli.chat import add_chat_command
 from gptlab.cli.common import ARGUMENT_FLAGS, TqdmHandler
 from gptlab.cli.compare import add_compare_command
@@ -25,6 +26,7 @@ from gptlab.cli.hf import add_hf_commands
 from gptlab.cli.inspect import add_inspect_commands
 from gptlab.cli.lab import add_model_commands
 from gptlab.cli.learner import add_learner_commands
+from gptlab.cli.sae import add_sae_commands
 from gptlab.cli.sample import add_sample_command
 from gptlab.cli.seq2seq import add_seq2seq_commands
 from gptlab.cli.serve import add_serve_command
@@ -90,12 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample_command(sub)
     add_hf_commands(sub)
     add_inspect_commands(sub)
+    add_attribution_commands(sub)
     add_seq2seq_commands(sub)
     add_serve_command(sub)
     add_adapt_commands(sub)
     add_chat_command(sub)
     add_compare_command(sub)
     add_learner_commands(sub)
+    add_sae_commands(sub)
     return parser
 
 

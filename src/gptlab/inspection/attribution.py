@@ -1,0 +1,275 @@
+"""Edge attribution (issue 41): how much of m = logit(target) - logit(foil) each edge of the graph carries.
+
+An edge's score is the change in m after the last position when that edge alone carries the corrupted
+run's value and every other edge the clean run's: m(clean, edge cut) - m(clean). It is signed: an edge
+that carries the clean answer scores below zero. Three ways to get it (`edges` has the graph):
+- `exact`: one forward pass per edge (run side by side in batches), the edge cut for real.
+- `eap`, edge attribution patching: the first-order estimate, the gradient of m with respect to the
+  destination's stream in the clean run dotted with the source's (corrupted - clean) output, summed over
+  positions and features; one forward and one backward pass score every edge.
+- `eap-ig`: the same with the gradient averaged over `steps` runs whose input rows lie between the clean
+  and corrupted ones, at the midpoints of `steps` equal intervals (integrated gradients along the input).
+Over several pairs the scores are averaged, signs kept. Where exact patching is affordable, `certify`
+measures an estimate against it: Spearman's rank correlation over every edge, of |score| (the order in
+which a circuit search takes edges) and of the signed scores, and the overlap of the top k by |score|.
+
+Shape legend: B runs side by side, S sources, N destinations, E edges, T positions, D width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptlab.config import SettingError
+from gptlab.inspection.edges import EXACT_LAYERS, Graph, build_graph, edge_masks, run_graph
+from gptlab.inspection.patching import check_same_length
+from gptlab.inspection.tokens import encode_prompt, encode_token
+from gptlab.model import GPT
+from gptlab.text.tokenizer import Tokenizer
+
+METHODS = ("exact", "eap", "eap-ig")
+METRIC = "logit(target) - logit(foil) after the last token"
+BATCH_ELEMENTS = 1 << 22  # runs side by side hold at most about this many stream values (16 MB in float32)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A clean and a corrupted prompt of the same length, and the two tokens m compares after them."""
+
+    clean: tuple[int, ...]
+    corrupt: tuple[int, ...]
+    target: int
+    foil: int
+
+
+def make_pair(model: GPT, clean: Sequence[int], corrupt: Sequence[int], target: int,
+              foil: int | None = None) -> Pair:
+    """A Pair, checked; `foil` defaults to the corrupted run's likeliest token other than the target."""
+    check_same_length(clean, corrupt)
+    if foil is None:
+        with torch.no_grad():
+            logits = model(torch.tensor([list(corrupt)], device=next(model.parameters()).device))[0]
+        top2 = logits[0, -1].topk(2).indices.tolist()
+        foil = top2[1] if top2[0] == target else top2[0]
+    if foil == target:
+        raise SettingError("{f} is the same token as {t}: m would be zero; choose another foil", f="foil",
+                           t="target")
+    return Pair(tuple(clean), tuple(corrupt), target, foil)
+
+
+def text_pair(model: GPT, tokenizer: Tokenizer, clean: str, corrupt: str, target: str,
+              foil: str | None = None) -> Pair:
+    """A Pair from text: two prompts within the context window, a target and foil of one token each."""
+    block = model.config.block_size
+    ids = [encode_prompt(tokenizer, text, block, option)
+           for text, option in ((clean, "clean"), (corrupt, "corrupt"))]
+    foil_id = None if foil is None else encode_token(tokenizer, foil, "foil")
+    return make_pair(model, ids[0], ids[1], encode_token(tokenizer, target, "target"), foil_id)
+
+
+def read_pairs(model: GPT, tokenizer: Tokenizer, path: str | Path) -> list[Pair]:
+    """The pairs of a JSONL file, one {"clean", "corrupt", "target", "foil"} object a line (foil optional)."""
+    pairs = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)  # a JSONDecodeError is a ValueError
+            if not isinstance(row, dict) or not {"clean", "corrupt", "target"} <= row.keys():
+                raise ValueError('each line must be an object with "clean", "corrupt", "target" (and "foil")')
+            texts = (row["clean"], row["corrupt"], row["target"], row.get("foil"))
+            pairs.append(text_pair(model, tokenizer, *texts))
+        except ValueError as err:
+            raise ValueError(f"{path} line {number}: {err}") from None
+    if not pairs:
+        raise ValueError(f"{path} holds no pairs: write one JSON object a line")
+    return pairs
+
+
+def metric(logits: torch.Tensor, pair: Pair) -> torch.Tensor:
+    """m for each run, (B,), from the logits after the last position (B, V)."""
+    logits = logits.float()
+    return logits[:, pair.target] - logits[:, pair.foil]
+
+
+@dataclass(frozen=True)
+class PairRuns:
+    """The clean and corrupted runs of one pair through the graph."""
+
+    clean_rows: torch.Tensor  # (1, T, D) input rows
+    corrupt_rows: torch.Tensor  # (1, T, D)
+    clean_sources: torch.Tensor  # (S, T, D) what each source wrote
+    corrupt_sources: torch.Tensor  # (S, T, D)
+    clean: float  # m
+    corrupt: float
+
+
+@torch.no_grad()
+def pair_runs(model: GPT, graph: Graph, pair: Pair) -> PairRuns:
+    """Run both prompts of a pair through the graph, nothing cut."""
+    device = next(model.parameters()).device
+    rows = [model.embed(torch.tensor([list(ids)], device=device)) for ids in (pair.clean, pair.corrupt)]
+    clean, corrupt = (run_graph(model, graph, r) for r in rows)
+    sources = [torch.cat(run.sources) for run in (clean, corrupt)]  # (S, T, D) each
+    return PairRuns(rows[0], rows[1], sources[0], sources[1], float(metric(clean.logits, pair)),
+                    float(metric(corrupt.logits, pair)))
+
+
+def batch_rows(runs: PairRuns) -> int:
+    """How many runs of this pair fit side by side under BATCH_ELEMENTS."""
+    return max(1, BATCH_ELEMENTS // runs.clean_sources.numel())
+
+
+@torch.no_grad()
+def cut_metric(model: GPT, graph: Graph, pair: Pair, runs: PairRuns,
+               edge_sets: Sequence[Sequence[int]]) -> torch.Tensor:
+    """m (len(edge_sets),) of the clean prompt with each set of edges cut to the corrupted run's values."""
+    out = []
+    step = batch_rows(runs)
+    for start in range(0, len(edge_sets), step):
+        chunk = edge_sets[start:start + step]
+        patched = edge_masks(graph, chunk, runs.clean_rows)  # (B, S, N)
+        rows = runs.clean_rows.expand(len(chunk), -1, -1)  # (B, T, D)
+        out.append(metric(run_graph(model, graph, rows, runs.corrupt_sources, patched).logits, pair))
+    return torch.cat(out).cpu()
+
+
+def exact_scores(model: GPT, graph: Graph, pair: Pair, runs: PairRuns, edges: Sequence[int]) -> torch.Tensor:
+    """Each edge's score (E,) by cutting it alone: m(clean, edge cut) - m(clean)."""
+    return cut_metric(model, graph, pair, runs, [[e] for e in edges]) - runs.clean
+
+
+def gradient_scores(model: GPT, graph: Graph, pair: Pair, runs: PairRuns, edges: Sequence[int],
+                    steps: int) -> torch.Tensor:
+    """Each edge's first-order score (E,): EAP with steps=0, else EAP-IG over `steps` points of the input."""
+    alphas = torch.tensor([0.0]) if steps == 0 else (torch.arange(steps) + 0.5) / steps  # (B,)
+    alphas = alphas.to(runs.clean_rows).view(-1, 1, 1)
+    rows = runs.clean_rows + alphas * (runs.corrupt_rows - runs.clean_rows)  # (B, T, D)
+    with torch.enable_grad():
+        rows.requires_grad_(True)
+        run = run_graph(model, graph, rows)
+        gradients = torch.autograd.grad(metric(run.logits, pair).sum(), run.inputs)  # each (B, n, T, D)
+    gradient = torch.cat(gradients, dim=1).mean(dim=0)  # (N, T, D): the mean over the points of the path
+    change = runs.corrupt_sources - runs.clean_sources  # (S, T, D)
+    table = torch.einsum("ntd,std->sn", gradient.float(), change.float())  # (S, N): every pair of nodes
+    pairs = torch.tensor(graph.edges, device=table.device)[torch.as_tensor(list(edges), device=table.device)]
+    return table[pairs[:, 0], pairs[:, 1]].cpu()
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Every scored edge's score, averaged over the pairs, and the metric on the clean and corrupted runs."""
+
+    method: str
+    steps: int  # points of the integral (eap-ig), else 0
+    names: list[str]  # the scored edges, in the graph's order
+    scores: torch.Tensor  # (E,)
+    clean: float  # mean m over the pairs
+    corrupt: float
+    pairs: int
+
+    def ranked(self) -> list[tuple[str, float]]:
+        """(name, score) of every edge, the largest |score| first."""
+        order = self.scores.abs().argsort(descending=True, stable=True).tolist()
+        return [(self.names[i], float(self.scores[i])) for i in order]
+
+    def to_json(self) -> dict[str, Any]:
+        """The --json object: method, metric, pairs and every edge with its score."""
+        metric = {"name": METRIC, "clean": self.clean, "corrupt": self.corrupt}
+        edges = [{"name": n, "score": float(s)} for n, s in zip(self.names, self.scores, strict=True)]
+        return {"method": self.method, "metric": metric, "pairs": self.pairs, "edges": edges}
+
+
+def check_method(graph: Graph, method: str, steps: int, chosen: Sequence[str] | None) -> None:
+    """One-line errors for a method that does not exist, a bad step count, or exact patching too deep."""
+    if method not in METHODS:
+        raise SettingError(f"{{m}} {method!r} is not one of {', '.join(METHODS)}", m="method")
+    if method == "eap-ig" and steps < 1:
+        raise SettingError(f"{{s}}={steps}: the integral needs at least one point", s="steps")
+    if method == "exact" and graph.n_layer > EXACT_LAYERS and not chosen:
+        raise SettingError(f"exact patching of all {len(graph.edges)} edges of a {graph.n_layer}-layer model "
+                           f"is refused above {EXACT_LAYERS} layers: name a subset with {{e}}, or use "
+                           "eap or eap-ig", e="edges")
+
+
+def attribute(model: GPT, pairs: Sequence[Pair], method: str = "eap-ig", steps: int = 16,
+              chosen: Sequence[str] | None = None) -> Attribution:
+    """Score the edges (all, or those matching the `chosen` patterns, shell-style) averaged over `pairs`."""
+    graph = build_graph(model)
+    check_method(graph, method, steps, chosen)
+    if not pairs:
+        raise SettingError("no pairs to score: give {c}, {x} and {t}, or pairs", c="clean", x="corrupt",
+                           t="target")
+    edges = graph.select(chosen) if chosen else list(range(len(graph.edges)))
+    total, clean, corrupt = torch.zeros(len(edges)), 0.0, 0.0
+    for pair in pairs:
+        runs = pair_runs(model, graph, pair)
+        if method == "exact":
+            total += exact_scores(model, graph, pair, runs, edges)
+        else:
+            total += gradient_scores(model, graph, pair, runs, edges, steps if method == "eap-ig" else 0)
+        clean, corrupt = clean + runs.clean, corrupt + runs.corrupt
+    names = [graph.names[e] for e in edges]
+    n = len(pairs)
+    steps = steps if method == "eap-ig" else 0
+    return Attribution(method, steps, names, total / n, clean / n, corrupt / n, n)
+
+
+def ranks(x: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of x (n,), tied values sharing their mean rank."""
+    ordered, order = x.sort()
+    _, inverse, counts = torch.unique_consecutive(ordered, return_inverse=True, return_counts=True)
+    mean_rank = counts.cumsum(0).double() - (counts.double() - 1) / 2  # (groups,)
+    out = torch.empty(len(x), dtype=torch.float64)
+    out[order] = mean_rank[inverse]
+    return out
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Spearman's rank correlation of two score vectors (n,); nan when either is constant."""
+    ra, rb = ranks(a.double()), ranks(b.double())
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    scale = float(ra.norm() * rb.norm())
+    return float(ra @ rb) / scale if scale > 0 else math.nan
+
+
+def top_overlap(a: torch.Tensor, b: torch.Tensor, k: int) -> float:
+    """The share of b's top k edges by |score| that are among a's top k."""
+    k = min(k, len(a))
+    top_a, top_b = (set(x.abs().topk(k).indices.tolist()) for x in (a, b))
+    return len(top_a & top_b) / k if k else math.nan
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """How well an estimate agrees with exact patching on the same edges."""
+
+    spearman: float  # rank correlation of |score| over every edge (the order a circuit search uses)
+    signed_spearman: float  # rank correlation of the signed scores
+    top_k: int
+    overlap: float  # share of the exact top k (by |score|) in the estimate's top k
+
+    def to_json(self) -> dict[str, Any]:
+        """The --json form (nan as null)."""
+        return {"spearman": nan_free(self.spearman), "signed_spearman": nan_free(self.signed_spearman),
+                "top_k": self.top_k, "overlap": self.overlap}
+
+
+def nan_free(x: float) -> float | None:
+    """x, or None for nan (JSON has no nan)."""
+    return None if math.isnan(x) else x
+
+
+def certify(estimate: Attribution, exact: Attribution, top_k: int = 10) -> Certificate:
+    """Compare an estimate's scores with exact patching's, edge by edge."""
+    assert estimate.names == exact.names, "a certificate compares the same edges"
+    k = min(top_k, len(exact.names))
+    a, b = estimate.scores, exact.scores
+    return Certificate(spearman(a.abs(), b.abs()), spearman(a, b), k, top_overlap(a, b, k))
