@@ -44,10 +44,8 @@ class Config:
         """Build from a dict (a saved JSON file, a TOML table), refusing keys the config lacks."""
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
-            raise ValueError(
-                f"unknown {cls.__name__} field(s) {', '.join(unknown)}; "
-                f"known fields are: {', '.join(cls.field_names())}"
-            )
+            raise ValueError(f"unknown {cls.__name__} field(s) {', '.join(unknown)}; "
+                             f"known fields are: {', '.join(cls.field_names())}")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
@@ -59,18 +57,16 @@ class Config:
 
 
 def _coerce(owner: str, name: str, value: Any, kind: Any) -> Any:
-    """Accept a value of the annotated type (an int where a float is wanted), else say what is wrong.
-
-    Besides plain types, `X | None` fields accept None and `tuple[str, ...]` fields accept any list
-    or tuple of strings (JSON gives lists).
-    """
+    """Accept a value of the annotated type (an int where a float is wanted), else say what is wrong;
+    `X | None` fields accept None and `tuple[T, ...]` fields any list or tuple of T (JSON gives lists)."""
     if typing.get_origin(kind) in (types.UnionType, typing.Union):
         inner = next(k for k in typing.get_args(kind) if k is not type(None))
         return None if value is None else _coerce(owner, name, value, inner)
-    if typing.get_origin(kind) is tuple:
-        if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-            return tuple(value)
-        raise ValueError(f"{owner}.{name}={value!r} must be a list of strings")
+    if typing.get_origin(kind) is tuple:  # tuple[str, ...] or tuple[int, ...]: each item checked as one
+        if isinstance(value, (list, tuple)):
+            item = typing.get_args(kind)[0]
+            return tuple(_coerce(owner, f"{name}[{i}]", v, item) for i, v in enumerate(value))
+        raise ValueError(f"{owner}.{name}={value!r} must be a list")
     if typing.get_origin(kind) is dict:  # token id -> number; JSON's keys are strings ("50256": -100)
         given = value if isinstance(value, dict) else {}
         ids = {k: int(k) if isinstance(k, str) and k.isdigit() else k for k in given}
@@ -84,9 +80,8 @@ def _coerce(owner: str, name: str, value: Any, kind: Any) -> Any:
     # bool is a subclass of int in Python: `n_layer=True` must still be refused.
     ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
     if not ok:
-        raise ValueError(
-            f"{owner}.{name}={value!r} must be of type {kind.__name__}, not {type(value).__name__}"
-        )
+        raise ValueError(f"{owner}.{name}={value!r} must be of type {kind.__name__}, "
+                         f"not {type(value).__name__}")
     return value
 
 
@@ -112,10 +107,8 @@ def flag(field: str) -> str:
 class SettingError(ValueError):
     """A user mistake in named settings. `str()` names each as Python does (`TrainConfig.track_heads`, an
     argument such as `run_dir`), so a Python caller reads what it passed; `as_flags` names each as the
-    command line does (`--track-heads`, `--out`), for the CLI's one error line.
-
-    `template` holds a `{key}` for each setting, filled from `settings` (key -> Python spelling); other
-    braces in it are left alone, so values may be formatted into it freely."""
+    command line does (`--track-heads`, `--out`), for the CLI's one error line. `template` holds a `{key}`
+    for each setting, filled from `settings` (key -> Python spelling); other braces in it are left alone."""
 
     def __init__(self, template: str, **settings: str) -> None:
         self.template, self.settings = template, settings
@@ -157,10 +150,8 @@ ATTENTION_KERNELS = ("sdpa", "naive")
 
 @dataclass
 class ModelConfig(Config):
-    """The decoder-only Transformer's shape and architectural options (handout §2-§7).
-
-    `norm="none"` exists for the handout's §7.4 toy trace, which has no normalisation.
-    """
+    """The decoder-only Transformer's shape and architectural options (handout §2-§7); `norm="none"`
+    exists for the handout's §7.4 toy trace, which has no normalisation."""
 
     vocab_size: int = option(256, "vocabulary size V (set from the tokenizer when training)")
     block_size: int = option(256, "context window T_max: the most tokens the model sees at once")
@@ -201,6 +192,10 @@ class ModelConfig(Config):
     unet: bool = option(False, "U-net skips: the stream after each block of the first half is added back, "
                         "last kept first, before the mirror block of the second half, times a learned "
                         "weight that starts at 1 (an odd middle block gets none)")
+    ngram_embeddings: tuple[int, ...] = option((), "n-gram embedding orders, e.g. 2 3: for each order n a "
+                                               "row looked up by the token and the n - 1 before it is added "
+                                               "to the token's own row (a departure from §6; positions.py)")
+    ngram_table_size: int = option(16384, "rows of an n-gram table: exact when (V + 1)^n fit, else hashed")
 
     def validate(self) -> None:
         owner = "ModelConfig"
@@ -214,6 +209,7 @@ class ModelConfig(Config):
             ffn_mult=self.ffn_mult,
             norm_eps=self.norm_eps,
             rope_base=self.rope_base,
+            ngram_table_size=self.ngram_table_size,
         )
         if self.n_kv_head is not None and (self.n_kv_head < 1 or self.n_head % self.n_kv_head):
             raise ValueError(f"{owner}.n_kv_head={self.n_kv_head} must divide n_head={self.n_head}: every "
@@ -236,6 +232,9 @@ class ModelConfig(Config):
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{owner}.dropout={self.dropout} must be in [0, 1)")
+        if any(not 2 <= n <= self.block_size for n in self.ngram_embeddings):
+            raise ValueError(f"{owner}.ngram_embeddings={list(self.ngram_embeddings)}: each order must be "
+                             f"from 2 (bigrams) to block_size={self.block_size}")
         if self.logit_softcap < 0:
             raise ValueError(f"{owner}.logit_softcap={self.logit_softcap} must be >= 0: a cap such as 30, "
                              "or 0 for no cap")
@@ -287,6 +286,7 @@ def parameter_count(config: ModelConfig) -> dict[str, int]:
         "feed-forward": L * ffn,
         "norms": L * (norms_per_block * norm + qk_norms) + (norm if config.arrangement == "pre" else 0),
         "skip weights": L // 2 if config.unet else 0,
+        "n-gram tables": D * sum(min(config.ngram_table_size, (V + 1) ** n) for n in config.ngram_embeddings),
         "vocabulary head": 0 if config.tied else V * D,
     }
     counts["total"] = sum(counts.values())
@@ -424,7 +424,7 @@ class Seq2SeqConfig(ModelConfig):
         if not self.causal:
             raise ValueError("Seq2SeqConfig.causal=False: the decoder must stay causal; only the encoder "
                              "is unmasked, and it is by construction")
-        for name in ("unet", "logit_softcap"):
+        for name in ("unet", "logit_softcap", "ngram_embeddings"):
             if getattr(self, name):
                 raise ValueError(f"Seq2SeqConfig.{name}={getattr(self, name)!r}: this option is offered for "
                                  "the GPT only; leave it out")

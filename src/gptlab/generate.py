@@ -20,7 +20,8 @@ The context window (W = block_size) once a generation outgrows it:
   amortised cost is one W/2-token prefill per W/2 steps. The naive loop starts at the same token.
 
 Batches of prompts of different lengths are left-padded; padding is masked out and every row's
-positions count from its own first token, so each row gets the tokens it would get alone. Tokens are
+positions count from its own first token (n-gram embeddings read the start id before it, never
+padding), so each row gets the tokens it would get alone. Tokens are
 chosen as a `SamplingConfig` says (gptlab.sampling), never among the ids a padded model vocabulary
 has beyond its tokenizer's. Generation stops at any of the tokenizer's end-of-sequence ids
 (`Tokenizer.stop_ids`), at a stop string (which is never shown, not even its start while streaming),
@@ -167,7 +168,11 @@ class Decoder:
         idx, pad = self._left_padded([row[f:] for row, f in zip(self.rows, firsts, strict=True)])
         cache = self._new_cache(idx.size(1))
         positions = [f - s for f, s in zip(firsts, starts, strict=True)]  # of each row's first token
-        cache.reset(pad, torch.tensor(positions, device=self.device))
+        K = cache.before.size(1)  # n-gram embeddings read the K ids before each first token, in its window
+        before = [([cache.start] * K + row[max(s, f - K):f])[-K:] if K else []
+                  for row, f, s in zip(self.rows, firsts, starts, strict=True)]
+        cache.reset(pad, torch.tensor(positions, device=self.device),
+                    torch.tensor(before, dtype=torch.long, device=self.device))  # (B, K)
         return self.model(idx, cache=cache, last_only=True)[0][:, -1]
 
     def _new_cache(self, capacity: int) -> KVCache:

@@ -7,7 +7,8 @@ layer stores its new keys and values here and attends over all the held ones.
 
 One class serves both users: `generate` (a padded batch whose rows start together, allocated once
 per run) and the server's scheduler (rows with their own counts and positions that join and leave
-at any step, in a cache that grows and shrinks with what they need: `resize`, `clear`, `move`).
+at any step, in a cache that grows and shrinks with what they need: `resize`, `clear`, `move`,
+and `load` for a prefix kept from an earlier request).
 
 Shape legend: L layers, B batch (rows), Hkv key/value heads (H unless grouped), S slots per row,
 T new tokens, hs head size.
@@ -49,6 +50,9 @@ class KVCache:
       may see anything (its outputs are never used), so no query row is empty.
     - The mask is None when every query sees every held key (one new token per row, equal counts, no
       padding, nothing wrapped or out of the window: most batch-1 steps), sparing the kernel a masked path.
+    - For n-gram embeddings each slot also keeps its token's id, and each row the K ids before its first
+      real token (`before`, start ids unless `reset` is given them): `with_history` hands a forward pass
+      its new tokens' K predecessors, so a row's n-grams never read padding nor another row's tokens.
     """
 
     def __init__(self, config: ModelConfig, batch_size: int, capacity: int | None = None,
@@ -63,6 +67,10 @@ class KVCache:
         self.slot_real = torch.zeros(batch_size, self.capacity, dtype=torch.bool, device=device)  # (B, S)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,)
         self.first = torch.zeros_like(self.pad)  # (B,)
+        self.slot_tokens = torch.zeros(batch_size, self.capacity, dtype=torch.long, device=device)  # (B, S)
+        self.start = config.vocab_size  # n-gram embeddings' id before a sequence's first token
+        context = max(config.ngram_embeddings, default=1) - 1  # K, the ids n-grams read before a token
+        self.before = torch.full((batch_size, context), self.start, device=device)  # (B, K)
         self.fed = [0] * batch_size  # tokens fed to each row since its reset, padding included
         self.batch = slice(0, batch_size)  # the rows the next forward pass runs
         self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # the new ones', (B, T)
@@ -76,10 +84,14 @@ class KVCache:
         """How many rows the cache holds."""
         return len(self.fed)
 
-    def reset(self, pad: torch.Tensor, first: torch.Tensor | None = None) -> None:
-        """Forget every token, keeping the memory; see the class docstring for `pad` and `first` (B,)."""
+    def reset(self, pad: torch.Tensor, first: torch.Tensor | None = None,
+              before: torch.Tensor | None = None) -> None:
+        """Forget every token, keeping the memory; see the class docstring for `pad`, `first` (B,) and
+        `before` (B, K)."""
         self.pad = pad
         self.first = torch.zeros_like(pad) if first is None else first
+        assert before is None or before.shape == self.before.shape, "before holds K ids per row"
+        self.before = torch.full_like(self.before, self.start) if before is None else before
         self.fed = [0] * self.size
         self.batch = slice(0, self.size)
         self.slot_positions.fill_(EMPTY)
@@ -121,6 +133,22 @@ class KVCache:
         self.mask = visible.unsqueeze(1)  # (B, 1, T, S): the same for every head
         return self.positions
 
+    def with_history(self, idx: torch.Tensor) -> torch.Tensor:
+        """The selected rows' new ids (B, T) after the K ids before each row's first, (B, K + T), for n-gram
+        embeddings; padding reads as the start id. Called before `advance`: it keeps the new ids in their
+        slots, where later steps (and a rewind) find them."""
+        K, capacity = self.before.size(1), self.capacity
+        assert K < capacity or max(self.fed[self.batch]) + idx.size(1) <= capacity, \
+            "a ring that wraps must hold a row's last K ids"
+        fed = torch.tensor(self.fed[self.batch], device=idx.device)[:, None]  # (B, 1)
+        column = fed - K + torch.arange(K + idx.size(1), device=idx.device)  # (B, K + T): fed before each
+        held = self.slot_tokens[self.batch].gather(1, column[:, :K].clamp(min=0) % capacity)  # (B, K)
+        self.slot_tokens[self.batch].scatter_(1, column[:, K:] % capacity, idx)
+        ahead = column - self.pad[self.batch, None] + K  # (B, K + T): index into `before` until >= K
+        earlier = self.before[self.batch].gather(1, ahead.clamp(0, K - 1))  # (B, K + T)
+        ids = torch.where(ahead >= K, torch.cat([held, idx], dim=1), earlier)
+        return ids.masked_fill(ahead < 0, self.start)  # before `before`: the start id
+
     def update(
         self, layer: int, keys: torch.Tensor, values: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +179,8 @@ class KVCache:
         assert not any(self.fed[kept:]), "a resize would drop a row that holds tokens"
         shape = (self.config.n_layer, batch_size, self.config.kv_heads, capacity, self.config.head_size)
         slots = min(capacity, self.capacity)
-        old = (self.keys, self.values, self.slot_positions, self.slot_real, self.pad, self.first)
+        old = (self.keys, self.values, self.slot_positions, self.slot_real, self.pad, self.first,
+               self.slot_tokens, self.before)
         self.keys = self.keys.new_zeros(shape)  # (L, B, Hkv, S, hs)
         self.values = self.values.new_zeros(shape)
         self.keys[:, :kept, :, :slots] = old[0][:, :kept, :, :slots]
@@ -162,6 +191,10 @@ class KVCache:
         self.slot_real[:kept, :slots] = old[3][:kept, :slots]
         self.pad, self.first = old[4].new_zeros(batch_size), old[5].new_zeros(batch_size)  # (B,)
         self.pad[:kept], self.first[:kept] = old[4][:kept], old[5][:kept]
+        self.slot_tokens = old[6].new_zeros(batch_size, capacity)  # (B, S)
+        self.slot_tokens[:kept, :slots] = old[6][:kept, :slots]
+        self.before = old[7].new_full((batch_size, old[7].size(1)), self.start)  # (B, K)
+        self.before[:kept] = old[7][:kept]
         self.fed = self.fed[:kept] + [0] * (batch_size - kept)
         self.capacity, self.batch = capacity, slice(0, batch_size)
 
@@ -169,6 +202,7 @@ class KVCache:
         """Forget one row's tokens: its next token is real, at position 0."""
         self.fed[row] = 0
         self.pad[row] = self.first[row] = 0
+        self.before[row] = self.start
         self.slot_positions[row].fill_(EMPTY)
         self.slot_real[row].fill_(False)
 
@@ -185,10 +219,24 @@ class KVCache:
         self.slot_positions[row, slots] = EMPTY
         self.slot_real[row, slots] = False
 
+    def load(self, row: int, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Fill an empty row with its first n tokens (n,) and their keys and values (L, Hkv, n, hs), at
+        positions 0 .. n-1: a prefix computed before (the server's prefix cache). Its next token is at
+        position n."""
+        n = keys.size(2)
+        assert self.fed[row] == 0 and n <= self.capacity, "load fills an empty row with what it can hold"
+        self.keys[:, row, :, :n] = keys
+        self.values[:, row, :, :n] = values
+        self.slot_tokens[row, :n] = ids.to(self.slot_tokens.device)
+        self.slot_positions[row, :n] = torch.arange(n, device=self.slot_positions.device)
+        self.slot_real[row, :n] = True
+        self.fed[row] = n
+
     def move(self, source: int, target: int) -> None:
         """Copy row `source` into row `target` (so the rows in use stay the first ones)."""
         self.keys[:, target] = self.keys[:, source]
         self.values[:, target] = self.values[:, source]
-        for state in (self.slot_positions, self.slot_real, self.pad, self.first):
+        rows = (self.slot_positions, self.slot_real, self.slot_tokens, self.pad, self.first, self.before)
+        for state in rows:
             state[target] = state[source]
         self.fed[target] = self.fed[source]

@@ -22,6 +22,9 @@ Four options borrowed from the GPU speedrun (Keller Jordan's modded-nanogpt), ea
 - `logit_softcap`: logits cap * tanh(logits / cap) (also Gemma 2's), for the loss and for sampling.
 - `zero_init`: attention's and the FFN's W_O start at zero, so a pre-norm block starts as the identity.
 - `unet`: U-net skips across the stack; the weights start at 1, as in the speedrun (`GPT.run_blocks`).
+And one from the speedruns' newer records: `ngram_embeddings` adds to each token's row E[w] a row looked
+up by the token and the ids before it (`gptlab.positions.NgramEmbeddings`), so every input row, the
+`embed` hook point's included, carries its n-grams; a KV cache keeps each row's last ids for them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptlab.config import ModelConfig
-from gptlab.positions import POSITIONS
+from gptlab.positions import POSITIONS, NgramEmbeddings
 
 if TYPE_CHECKING:
     from gptlab.kv_cache import KVCache
@@ -339,16 +342,16 @@ class LanguageModel(nn.Module):
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * depth))
 
-    def input_rows(self, stack: ResidualStack, wte: nn.Embedding, idx: torch.Tensor,
+    def input_rows(self, stack: ResidualStack, rows: torch.Tensor,
                    positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Input rows X = E[w] + p of token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
-        T, window = idx.size(1), self.config.block_size
+        """Input rows X = E[w] + p of token rows E[w] (B, T, D) -> same, at positions (B, T) or 0 .. T-1."""
+        T, window = rows.size(1), self.config.block_size
         if positions is None:  # 0 .. T-1, which must fit the window
             if T > window:
                 raise ValueError(f"sequence length {T} exceeds block_size={window}: crop the input to its "
                                  f"last {window} tokens, or use a model with a larger block_size")
-            positions = torch.arange(T, device=idx.device).unsqueeze(0)  # (1, T)
-        return stack.drop(stack.wpe(wte(idx), positions))  # (B, T, D)
+            positions = torch.arange(T, device=rows.device).unsqueeze(0)  # (1, T)
+        return stack.drop(stack.wpe(rows, positions))  # (B, T, D)
 
     def num_parameters(self) -> int:
         """Trainable parameters, counting a tied embedding/head tensor once."""
@@ -367,11 +370,19 @@ class GPT(LanguageModel):
         if config.unet:
             self.skip_weights = nn.Parameter(torch.ones(self.n_skips))  # (n_skips,), the speedrun's init
         self.softcap = SoftCap(config.logit_softcap) if config.logit_softcap > 0 else nn.Identity()
+        self.ngrams = NgramEmbeddings(config) if config.ngram_embeddings else None
         self.add_head_and_init(wte, depth=config.n_layer)
 
-    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Input rows X = E[w] + p for token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1."""
-        return self.input_rows(self.transformer, self.transformer.wte, idx, positions)
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None,
+              history: torch.Tensor | None = None) -> torch.Tensor:
+        """Input rows X = E[w] + p for token ids (B, T) -> (B, T, D), at positions (B, T) or 0 .. T-1.
+
+        With ngram_embeddings E[w] gains the n-gram rows, read from `history` (B, K + T): idx after the K
+        ids before it (by default K start ids: idx starts a sequence)."""
+        rows = self.transformer.wte(idx)  # (B, T, D)
+        if self.ngrams is not None:
+            rows = rows + self.ngrams(self.ngrams.preceded(idx) if history is None else history)
+        return self.input_rows(self.transformer, rows, positions)
 
     def run_blocks(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """The residual stream through every block, (B, T, D) -> same.
@@ -411,10 +422,12 @@ class GPT(LanguageModel):
 
         `targets[:, i]` is the token that follows `idx[:, i]` (teacher forcing, §7.2); positions
         whose target is -1 are not scored. With a `cache`, idx holds only the tokens it has not seen
-        yet, and their positions continue the cache's. `last_only` keeps the last position's logits.
+        yet, and their positions (and n-grams) continue the cache's. `last_only` keeps the last position's
+        logits.
         """
+        history = None if cache is None or self.ngrams is None else cache.with_history(idx)  # (B, K + T)
         positions = None if cache is None else cache.advance(idx.size(1))  # (B, T)
-        logits = self.forward_embeddings(self.embed(idx, positions), cache, last_only)  # (B, T, V)
+        logits = self.forward_embeddings(self.embed(idx, positions, history), cache, last_only)  # (B, T, V)
         return logits, None if targets is None else next_token_loss(logits, targets)
 
 

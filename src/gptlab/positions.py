@@ -1,10 +1,15 @@
-"""Position information (handout §6): the schemes `ModelConfig.positions` chooses between, for model.py.
+"""Position information (handout §6): the schemes `ModelConfig.positions` chooses between, for model.py,
+and n-gram embeddings (`ModelConfig.ngram_embeddings`), which give each token its local order as a lookup.
 
 Absolute schemes map token rows (B, T, D) and their positions (B or 1, T) to input rows X = E[w] + p;
 RoPE instead turns each head's queries and keys (B, H, T, hs). Every scheme takes explicit positions
 (default 0..T-1), so generation can continue a sequence from a KV cache at any offset.
 
-Shape legend: B batch, T sequence length, D model width (n_embd), H heads, hs head size (D // H).
+N-gram embeddings read each token's K predecessors (K = the largest order - 1): from a `history` of ids
+(B, K + T), which a KV cache carries across generation steps (`KVCache.with_history`).
+
+Shape legend: B batch, T sequence length, D model width (n_embd), H heads, hs head size (D // H), K ids
+of history before the first of T tokens.
 
 Deliberate choice: RoPE rotates the feature pairs (i, i + hs/2) of each head (the "rotate half" layout).
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gptlab.config import ModelConfig
@@ -102,3 +108,45 @@ POSITIONS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
     "rope": (NoPositions, Rotary),
     "none": (NoPositions, NoPositions),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# N-gram embeddings (a departure from §6): local order, learned as a lookup rather than computed
+
+HASH_MULTIPLIER = 1_000_003  # a prime: hashed n-grams spread over any table size that it does not divide
+
+
+class NgramEmbeddings(nn.Module):
+    """For each order n of `ngram_embeddings`, a table whose row for the n-gram ending at a token (the token
+    and the n - 1 ids before it) is added to the token's own row E[w].
+
+    Before a sequence's first token stands the start id V, never padding nor another row's tokens. An
+    n-gram's row is its ids read as digits, h = h * m + id, modulo the table's rows: exact, one row per
+    n-gram, with m = V + 1 and (V + 1)^n rows when that many fit in ngram_table_size; else hashed, with m
+    a large prime and ngram_table_size rows that n-grams share. The tables start at zero, so a new model
+    computes what it would without them (GPT's init leaves them: they are no nn.Embedding).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        V, size, self.orders = config.vocab_size, config.ngram_table_size, config.ngram_embeddings
+        self.start = V  # the id before every sequence's first token
+        self.context = max(self.orders) - 1  # K: how many ids before a token its n-grams read
+        self.multipliers = [V + 1 if (V + 1) ** n <= size else HASH_MULTIPLIER for n in self.orders]
+        rows = [min(size, (V + 1) ** n) for n in self.orders]
+        self.tables = nn.ParameterList(nn.Parameter(torch.zeros(r, config.n_embd)) for r in rows)  # (rows, D)
+
+    def preceded(self, idx: torch.Tensor) -> torch.Tensor:
+        """Whole sequences' ids (B, T) after K start ids, (B, K + T): the history without a KV cache."""
+        return F.pad(idx, (self.context, 0), value=self.start)
+
+    def forward(self, history: torch.Tensor) -> torch.Tensor:
+        """The n-gram rows (B, T, D) of the last T ids of `history` (B, K + T), summed over the orders."""
+        K, T = self.context, history.size(1) - self.context
+        found = []
+        for n, multiplier, table in zip(self.orders, self.multipliers, self.tables, strict=True):
+            index = torch.zeros_like(history[:, K:])  # (B, T)
+            for back in range(n - 1, -1, -1):  # the n-gram's oldest id first, the token itself last
+                index = (index * multiplier + history[:, K - back:K - back + T]) % table.size(0)
+            found.append(F.embedding(index, table))  # (B, T, D)
+        return sum(found[1:], found[0])

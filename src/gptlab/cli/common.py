@@ -68,6 +68,10 @@ ARGUMENT_FLAGS = {
     "limit": "--limit",
     "variant": "--variant",
     "shots": "--shots",
+    "edges": "--edges",
+    "steps": "--steps",
+    "keep": "--keep",
+    "method": "--method",
 }
 
 
@@ -101,9 +105,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Confi
                 *flags, dest=field.name, action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS, help=help_text,
             )
-        elif typing.get_origin(kind) is tuple:  # a list of strings: the option may be repeated
-            group.add_argument(*flags, dest=field.name, nargs="+", action="extend", metavar="S",
-                               default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(kind) is tuple:  # a list of strings or numbers: the option may be repeated
+            item = typing.get_args(kind)[0]
+            group.add_argument(*flags, dest=field.name, nargs="+", action="extend", type=item,
+                               metavar="S" if item is str else "N", default=argparse.SUPPRESS, help=help_text)
         else:
             kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)  # X | None -> X
             if typing.get_origin(kind) is dict:  # a mapping (logit_bias), given as one JSON object

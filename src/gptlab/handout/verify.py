@@ -6,8 +6,9 @@ reports each one's deviation next to its tolerance (EPSILONS float epsilons of t
 compared values' size): rows sum to one (§3.2); position i's logits do not change at all when every
 later input changes (§7.3); cached generation gives the logits of rerunning the whole sequence at
 every step (§7.1); fused = separate projections and heads, on each layer's real input (§4.2); a tied
-head is the embedding tensor (§6); without positions, the stack with its mask off (on a copy) is
-permutation equivariant (§6.1). Generation needs `gptlab.generate`, hence this module's place here.
+head is the embedding tensor (§6); without positions (nor n-gram embeddings), the stack with its mask
+off (on a copy) is permutation equivariant (§6.1). Generation needs `gptlab.generate`, hence this
+module's place here.
 """
 
 from __future__ import annotations
@@ -80,10 +81,13 @@ def check_projections(model: GPT, idx: torch.Tensor, eps: float) -> checks.Check
 
 
 def check_permutation(model: GPT, idx: torch.Tensor, generator: torch.Generator, eps: float) -> checks.Check:
-    """§6.1 on a copy with the mask off (it depends on order); positions break it by design."""
+    """§6.1 on a copy with the mask off (it depends on order); positions and n-grams break it by design."""
     name = "no positions, no mask: permutation equivariant"
     if model.config.positions != "none":
         note = f"the model has {model.config.positions} positions, which break it by design"
+        return checks.Check("§6.1", name, None, note=note)
+    if model.config.ngram_embeddings:
+        note = "the model has n-gram embeddings, which encode local order and so break it by design"
         return checks.Check("§6.1", name, None, note=note)
     unmasked = copy.deepcopy(model)
     for block in unmasked.transformer.blocks:

@@ -63,7 +63,7 @@ NATIVE_JINJA = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ mess
 # What each graph needs of a gptlab ModelConfig: field -> value. Neither graph has the GPU-speedrun options
 # that change the function (zero_init changes only the start, so it exports). gpt2's ffn may also be
 # gelu_exact, measured at export (gguf_gelu).
-SPEEDRUN_OFF = {"qk_norm": False, "logit_softcap": 0.0, "unet": False}
+SPEEDRUN_OFF: dict[str, Any] = {"qk_norm": False, "logit_softcap": 0.0, "unet": False, "ngram_embeddings": ()}
 GPT2_GRAPH = {"norm": "layernorm", "ffn": "gelu", "tied": True, **SPEEDRUN_OFF}
 LLAMA_GRAPH = {"norm": "rmsnorm", "ffn": "swiglu", "bias": False, **SPEEDRUN_OFF}
 
@@ -86,6 +86,8 @@ def _setting(name: str, value: Any) -> str:
     """A config value as a SettingError template: `{ffn} gelu`, `{not_bias}` (--no-bias), `{tied}`."""
     if isinstance(value, bool):
         return f"{{{name}}}" if value else f"{{not_{name}}}"
+    if isinstance(value, tuple):  # ngram_embeddings (2, 3): `{ngram_embeddings} 2 3`, or none at all
+        return f"{{{name}}} {' '.join(map(str, value)) or 'left out'}"
     return f"{{{name}}} {value}"
 
 

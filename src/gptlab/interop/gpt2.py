@@ -49,7 +49,7 @@ GPT2_DEFAULTS: dict[str, Any] = {
 # model without them exports zeros, which add nothing; so is zero_init, which changes only the start).
 GPT2_NEEDS: dict[str, Any] = {
     "positions": "learned", "norm": "layernorm", "arrangement": "pre", "tied": True, "causal": True,
-    "qk_norm": False, "logit_softcap": 0.0, "unet": False,
+    "qk_norm": False, "logit_softcap": 0.0, "unet": False, "ngram_embeddings": (),
 }
 # gptlab's GELUs as GPT-2's config names them: the tanh form is `gelu_new`, the erf form `gelu`.
 GPT2_ACTIVATIONS = {"gelu": "gelu_new", "gelu_exact": "gelu"}

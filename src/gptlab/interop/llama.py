@@ -28,7 +28,7 @@ EMBED, FINAL_NORM, HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_
 # changes only the start, are free).
 LLAMA_NEEDS: dict[str, Any] = {
     "positions": "rope", "norm": "rmsnorm", "ffn": "swiglu", "arrangement": "pre", "bias": False,
-    "causal": True, "qk_norm": False, "logit_softcap": 0.0, "unet": False,
+    "causal": True, "qk_norm": False, "logit_softcap": 0.0, "unet": False, "ngram_embeddings": (),
 }
 # Defaults of transformers' LlamaConfig and Qwen2Config, for config.json files that leave a field out.
 DEFAULTS: dict[str, dict[str, Any]] = {

@@ -128,7 +128,7 @@ class EncoderDecoder(LanguageModel):
     def encode(self, src: torch.Tensor) -> EncodedSource:
         """Run the encoder on source ids (B, S), padded with `pad_id`, and prepare cross-attention."""
         mask = (src != self.config.pad_id)[:, None, None, :]  # (B, 1, 1, S)
-        x = self.input_rows(self.encoder, self.wte, src)  # (B, S, D)
+        x = self.input_rows(self.encoder, self.wte(src))  # (B, S, D)
         for block in self.encoder.h:
             x = block(x, mask=mask)  # every real source position sees every other
         memory = self.encoder.ln_f(x)  # (B, S, D)
@@ -139,7 +139,7 @@ class EncoderDecoder(LanguageModel):
                last_only: bool = False) -> torch.Tensor:
         """Logits (B, T or 1, V) after each target id (B, T); with a cache, tgt holds only new ids."""
         positions = None if cache is None else cache.advance(tgt.size(1))  # (B, T)
-        x = self.input_rows(self.decoder, self.wte, tgt, positions)  # (B, T, D)
+        x = self.input_rows(self.decoder, self.wte(tgt), positions)  # (B, T, D)
         for block in self.decoder.h:
             x = block(x, source, cache)
         if last_only:
