@@ -10,7 +10,7 @@ Hook points are named after module paths, without the `transformer.` prefix:
 
 | name               | value                                                | shape          | replaceable |
 |--------------------|------------------------------------------------------|----------------|-------------|
-| `embed`            | input rows X = E[w] + p, n-gram rows included (output of `transformer.drop`) | (B, T, D) | yes |
+| `embed`            | input rows X = E[w] + p + n-gram rows (`transformer.drop`'s output) | (B, T, D) | yes |
 | `h.N.resid_pre`    | the residual stream entering block N                 | (B, T, D)      | yes |
 | `h.N.attn.in`      | attention's input (LN_1 output in pre-norm models)   | (B, T, D)      | yes |
 | `h.N.attn.scores`  | raw scores s = q k^T / sqrt(hs), future included     | (B, H', T, T)  | no  |
