@@ -33,7 +33,8 @@ def induction_model(out: Path, seed: int) -> tuple[GPT, list[int]]:
     run = out / f"induction-seed{seed}"
     if not (run / "config.json").exists():
         model_config, train_config, *rest = resolve_configs("induction")
-        train(run, "repeats", model_config, dataclasses.replace(train_config, seed=seed), *rest, progress=False)
+        seeded = dataclasses.replace(train_config, seed=seed)
+        train(run, "repeats", model_config, seeded, *rest, progress=False)
     model, tokenizer = load_run(run)
     return model, tokenizer.encode(string.ascii_letters)
 
@@ -49,8 +50,8 @@ def main() -> None:
     args = parser.parse_args()
     print(f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; induction preset, "
           f"{args.pairs} pairs a set, EAP-IG with {args.steps} points\n")
-    print("| training seed | span | pair set | EAP \\|score\\| | EAP signed | EAP-IG \\|score\\| | EAP-IG signed "
-          "| EAP-IG top-10 |")
+    print("| training seed | span | pair set | EAP \\|score\\| | EAP signed | EAP-IG \\|score\\| "
+          "| EAP-IG signed | EAP-IG top-10 |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     lowest = {"eap": 1.0, "eap-ig": 1.0}
     for seed in args.seeds:
@@ -61,7 +62,8 @@ def main() -> None:
                 exact = attribute(model, pairs, "exact")
                 eap = certify(attribute(model, pairs, "eap"), exact)
                 ig = certify(attribute(model, pairs, "eap-ig", args.steps), exact)
-                lowest = {"eap": min(lowest["eap"], eap.spearman), "eap-ig": min(lowest["eap-ig"], ig.spearman)}
+                lowest["eap"] = min(lowest["eap"], eap.spearman)
+                lowest["eap-ig"] = min(lowest["eap-ig"], ig.spearman)
                 print(f"| {seed} | {span} | {pair_set} | {eap.spearman:.3f} | {eap.signed_spearman:.3f} "
                       f"| {ig.spearman:.3f} | {ig.signed_spearman:.3f} | {ig.overlap:.1f} |", flush=True)
     print(f"\nlowest Spearman of |score|: EAP {lowest['eap']:.3f}, EAP-IG {lowest['eap-ig']:.3f}")
