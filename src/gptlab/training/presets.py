@@ -36,17 +36,18 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "train": dict(batch_size=12, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
                       eval_interval=250, eval_batches=20),
     },
-    # The fastest way found to nanoGPT's CPU-recipe loss (benchmarks/time_to_loss.py; the README's
-    # records and ablation tables have what each change bought, 3 seeds each): Muon on the blocks'
-    # matrices, a 4x larger batch, 200 steps, 3 blocks, the exact GELU (a third cheaper than the tanh
-    # form on a 2-core Xeon), an untied head, windows growing from 16 tokens over the first 100 steps,
-    # a trapezoidal schedule at peak lr 8e-3, and one evaluation, at the end. The precision is measured
-    # at start-up (machine.py): bfloat16 lost at this width on every CPU measured so far.
+    # The fastest way found to nanoGPT's CPU-recipe loss (benchmarks/time_to_loss.py; docs/performance.md
+    # has the records and what each change bought, 3 seeds each): Muon on the blocks' matrices, a 4x
+    # larger batch, 3 blocks, the exact GELU (a third cheaper than the tanh form on a 2-core Xeon), an
+    # untied head, windows growing from 16 tokens over the first 100 steps, a trapezoidal schedule at
+    # peak lr 8e-3, one evaluation, at the end, and (round three) bigram, trigram and 4-gram embeddings,
+    # which reach a lower loss in 100 steps than round two's recipe did in 200, on three corpora. The
+    # precision is measured at start-up (machine.py): bfloat16 lost at this width on every CPU so far.
     "speedrun": {
         "model": dict(n_layer=3, n_head=4, n_embd=128, block_size=64, dropout=0.0, ffn="gelu_exact",
-                      tied=False),
-        "train": dict(batch_size=48, max_steps=200, lr=8e-3, min_lr=8e-4, warmup_steps=20, optimizer="muon",
-                      muon_lr=0.04, schedule="trapezoid", cooldown=0.4, seq_warmup=100, eval_interval=200,
+                      tied=False, ngram_embeddings=(2, 3, 4)),
+        "train": dict(batch_size=48, max_steps=100, lr=8e-3, min_lr=8e-4, warmup_steps=20, optimizer="muon",
+                      muon_lr=0.04, schedule="trapezoid", cooldown=0.4, seq_warmup=100, eval_interval=100,
                       eval_batches=4),
     },
     # A 2-layer attention-only model scoring its heads at every evaluation, for the generated `repeats`
