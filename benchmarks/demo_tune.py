@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from time_to_loss import mean_sd
+
 LOSS = re.compile(r"on the val split: loss ([\d.]+) nats")
 
 
@@ -60,13 +62,6 @@ def parameter_count(run: Path) -> int:
     from gptlab.model import GPT
 
     return sum(p.numel() for p in GPT(load_header(run).model_config).parameters())
-
-
-def mean_sd(values: list[float], digits: int) -> str:
-    """mean +- sd (just the value for one run)."""
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def main() -> None:
