@@ -1,5 +1,5 @@
-"""Edge attribution on this CPU: exact patching against EAP and EAP-IG, seconds and edges per second, side by
-side in one run (gptlab.inspection.attribution).
+"""Edge attribution on this CPU: exact patching against EAP, EAP-IG and eap-dest, seconds and edges per
+second, side by side in one run (gptlab.inspection.attribution).
 
 The model has the demo preset's shape (4 layers x 4 heads, width 128, context 64, the exact GELU, a
 65-character vocabulary): 21 sources (embed, 16 heads, 4 MLPs), 53 destinations, 479 edges. By default its
@@ -28,7 +28,7 @@ from gptlab.model import GPT
 
 DEMO_SHAPE = ModelConfig(vocab_size=65, n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0,
                          ffn="gelu_exact")
-METHODS = {"exact": 0, "eap": 0, "eap-ig": 16}  # method -> steps
+METHODS = {"exact": 0, "eap": 0, "eap-ig": 16, "eap-dest": 0}  # method -> steps
 
 
 def random_pairs(vocab_size: int, length: int, count: int, seed: int) -> list[Pair]:

@@ -56,6 +56,9 @@ def test_attribute_json_scores_every_edge_with_a_certificate(wired_run: Path, tm
                                  "--method", "exact"])
     assert [e["name"] for e in exact["edges"]] == [e["name"] for e in result["edges"]]
     assert exact["certificate"] is None
+    dest, err = run_json(capsys, argv + ["--method", "eap-dest"])
+    assert dest["method"] == "eap-dest" and dest["steps"] == 0 and "eap-dest" in err
+    assert dest["certificate"]["spearman"] >= 0.9 and dest["certificate"]["overlap"] == 1.0
 
 
 def test_circuit_recovers_the_wired_circuit_and_draws_it(wired_run: Path, tmp_path: Path,

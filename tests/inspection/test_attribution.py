@@ -17,6 +17,7 @@ from gptlab.config import SettingError
 from gptlab.inspection.attribution import (
     attribute,
     make_pair,
+    metric,
     ranks,
     spearman,
     text_pair,
@@ -189,6 +190,71 @@ def test_eap_and_eap_ig_equal_their_definitions_by_hand(model: GPT, method: str,
     assert_close(torch.tensor([got[k] for k in expected]), torch.tensor(list(expected.values())),
                  atol=2e-5, rtol=1e-4)
 
+
+def unit_of(destination: str) -> str:
+    """The source that a destination's computation writes: its head, its MLP, or the logits (m itself)."""
+    return destination.rsplit(".", 1)[0] if destination.startswith("a") else destination
+
+
+def test_eap_dest_equals_its_definition_by_hand(model: GPT) -> None:
+    """The cut edge's destination recomputed by hand, its change dotted with the gradient of m (clean run)
+    with respect to what that destination writes; at the logits, m recomputed."""
+    clean_rows = model.embed(torch.tensor([CLEAN]))[0].detach().requires_grad_(True)
+    logits, clean, _ = written_out(model, CLEAN, rows=clean_rows)
+    m_clean = logits[3] - logits[8]
+    units = [n for n in clean if n != "embed"]
+    gradients = dict(zip(units, torch.autograd.grad(m_clean, [clean[n] for n in units]), strict=True))
+    expected = {}
+    with torch.no_grad():
+        corrupted = written_out(model, CORRUPT)[1]
+        for source, destination in hand_edges(2, 2):
+            swap = (source, destination, corrupted[source])
+            cut_logits, cut, _ = written_out(model, CLEAN, swap, clean_rows)
+            unit = unit_of(destination)
+            expected[f"{source}->{destination}"] = float(
+                cut_logits[3] - cut_logits[8] - m_clean if unit == "logits"
+                else ((cut[unit] - clean[unit]) * gradients[unit]).sum())
+    result = attribute(model, [make_pair(model, CLEAN, CORRUPT, target=3, foil=8)], "eap-dest")
+    got = dict(zip(result.names, result.scores.tolist(), strict=True))
+    assert got.keys() == expected.keys() and result.steps == 0
+    assert_close(torch.tensor([got[k] for k in expected]), torch.tensor(list(expected.values())),
+                 atol=2e-5, rtol=1e-4)
+    exact = attribute(model, [make_pair(model, CLEAN, CORRUPT, target=3, foil=8)], "exact")
+    assert_close(result.scores[-7:], exact.scores[-7:], atol=2e-5, rtol=1e-4)  # into the logits: exact
+
+
+@pytest.mark.parametrize("changes", [GROUPED, dict(ffn="none", n_layer=3)])
+def test_eap_dest_on_shared_key_heads_and_without_mlps(random_gpt: Callable[..., GPT],
+                                                       changes: dict[str, Any]) -> None:
+    """The same definition on the graph's own forward (which equals the model's), the gradient taken as the
+    derivative of m along the change, written by the destination's sources into every later stream: under
+    grouped-query attention a k or v edge changes every head that shares the key/value head."""
+    model = random_gpt(2, **changes)
+    graph = build_graph(model)
+    rows = model.embed(torch.tensor([CLEAN])).detach()
+    with torch.no_grad():
+        clean = torch.cat(run_graph(model, graph, rows).sources)  # (S, T, D)
+        corrupted = torch.cat(run_graph(model, graph, model.embed(torch.tensor([CORRUPT]))).sources)
+        m_clean = float(metric(run_graph(model, graph, rows).logits, make_pair(model, CLEAN, CORRUPT, 3, 8)))
+    expected = []
+    for e, name in enumerate(graph.names):
+        with torch.no_grad():
+            cut = torch.cat(run_graph(model, graph, rows, corrupted, edge_masks(graph, [[e]], rows)).sources)
+            logits = run_graph(model, graph, rows, corrupted, edge_masks(graph, [[e]], rows)).logits
+        destination = name.split("->")[1]
+        if destination == "logits":
+            expected.append(float(logits[0, 3] - logits[0, 8]) - m_clean)
+            continue
+        layer = destination.split(".")[0]  # a1 or m1: the computation whose every output the cut may change
+        unit = [i for i, s in enumerate(graph.sources) if s.split(".")[0] == layer]
+        along = [k for k, (s, _) in enumerate(graph.edges) if s in unit]  # every stream they write into
+        eps = torch.zeros((), requires_grad=True)
+        values = clean + eps * (cut - clean)  # the destination's computation redone with the edge cut, scaled
+        run = run_graph(model, graph, rows, values, edge_masks(graph, [along], rows))
+        expected.append(float(torch.autograd.grad(run.logits[0, 3] - run.logits[0, 8], eps)[0]))
+    result = attribute(model, [make_pair(model, CLEAN, CORRUPT, target=3, foil=8)], "eap-dest")
+    assert_close(result.scores, torch.tensor(expected), atol=2e-5, rtol=1e-4)
+    assert max(map(abs, expected)) > 0.02  # a test with something to measure
 
 def test_scores_average_over_pairs_with_their_signs(model: GPT) -> None:
     pairs = [make_pair(model, CLEAN, CORRUPT, 3, 8), make_pair(model, CORRUPT, CLEAN, 3, 8)]

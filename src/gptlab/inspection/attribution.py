@@ -9,6 +9,10 @@ that carries the clean answer scores below zero. Three ways to get it (`edges` h
   positions and features; one forward and one backward pass score every edge.
 - `eap-ig`: the same with the gradient averaged over `steps` runs whose input rows lie between the clean
   and corrupted ones, at the midpoints of `steps` equal intervals (integrated gradients along the input).
+- `eap-dest`: EAP with each edge's destination computed for real: the cut edge's change in what its
+  destination writes (the head with its softmax, the MLP; at the logits, m itself) dotted with the
+  clean run's gradient of m there. The softmax that saturates, or flips between two positions, is where
+  the plain gradient errs most; only the way on from the destination to m is taken as linear.
 Over several pairs the scores are averaged, signs kept. Where exact patching is affordable, `certify`
 measures an estimate against it: Spearman's rank correlation over every edge, of |score| (the order in
 which a circuit search takes edges) and of the signed scores, and the overlap of the top k by |score|.
@@ -20,22 +24,25 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from gptlab.config import SettingError
-from gptlab.inspection.edges import EXACT_LAYERS, Graph, build_graph, edge_masks, run_graph
+from gptlab.inspection.edges import EXACT_LAYERS, Graph, build_graph, edge_masks, head_outputs, run_graph
 from gptlab.inspection.patching import check_same_length
 from gptlab.inspection.tokens import encode_prompt, encode_token
 from gptlab.model import GPT
 from gptlab.text.tokenizer import Tokenizer
 
-METHODS = ("exact", "eap", "eap-ig")
+METHODS = ("exact", "eap", "eap-ig", "eap-dest")
 METRIC = "logit(target) - logit(foil) after the last token"
+Unit = Callable[[torch.Tensor], torch.Tensor]  # what a destination computes from its streams (eap-dest)
 BATCH_ELEMENTS = 1 << 22  # runs side by side hold at most about this many stream values (16 MB in float32)
 
 
@@ -163,6 +170,70 @@ def gradient_scores(model: GPT, graph: Graph, pair: Pair, runs: PairRuns, edges:
     return table[pairs[:, 0], pairs[:, 1]].cpu()
 
 
+def source_gradients(graph: Graph, gradient: torch.Tensor) -> torch.Tensor:
+    """The gradient of m with respect to what each source writes, (S, T, D): the sum of the gradients at
+    the destinations after it (every source reaches every later destination), from gradient (N, T, D)."""
+    after = gradient.flip(0).cumsum(0).flip(0)  # (N, T, D): the sum over destinations d.. onwards
+    first = torch.full((len(graph.sources),), len(graph.destinations), dtype=torch.long)
+    pairs = torch.tensor(graph.edges, dtype=torch.long)  # (E, 2)
+    first = first.scatter_reduce(0, pairs[:, 0], pairs[:, 1], reduce="amin")
+    return torch.cat([after, after.new_zeros(1, *after.shape[1:])])[first.to(after.device)]
+
+
+def unit_scores(unit: Unit, reads: torch.Tensor, cuts: list[tuple[int, int]], change: torch.Tensor,
+                weight: torch.Tensor) -> torch.Tensor:
+    """For each cut (slot j, source s), the change in what `unit` writes when its input slot j, of the
+    streams reads (n, T, D), gets change[s] added, dotted with weight (k, T, D); `unit` maps (B, n, T, D)
+    streams to (B, k, T, D) outputs."""
+    base = unit(reads.unsqueeze(0))  # (1, k, T, D)
+    out = []
+    step = max(1, BATCH_ELEMENTS // reads.numel())
+    for start in range(0, len(cuts), step):
+        chunk = cuts[start:start + step]
+        x = reads.unsqueeze(0).repeat(len(chunk), 1, 1, 1)  # (B, n, T, D)
+        slots = torch.tensor([j for j, _ in chunk], device=x.device)
+        x[torch.arange(len(chunk), device=x.device), slots] += change[[s for _, s in chunk]]
+        out.append(torch.einsum("bktd,ktd->b", (unit(x) - base).float(), weight))
+    return torch.cat(out) if out else reads.new_zeros(0)
+
+
+def destination_scores(model: GPT, graph: Graph, pair: Pair, runs: PairRuns,
+                       edges: Sequence[int]) -> torch.Tensor:
+    """Each edge's score (E,) by eap-dest: its destination's output recomputed with the edge cut, the
+    change dotted with the clean gradient of m at that output (at the logits: m recomputed)."""
+    rows = runs.clean_rows.clone().requires_grad_(True)
+    with torch.enable_grad():
+        run = run_graph(model, graph, rows)
+        gradients = torch.autograd.grad(metric(run.logits, pair).sum(), run.inputs)  # each (1, n, T, D)
+    reads = torch.cat(run.inputs, dim=1)[0].detach()  # (N, T, D): the stream each destination read
+    weight = source_gradients(graph, torch.cat(gradients, dim=1)[0].float())  # (S, T, D)
+    change = runs.corrupt_sources - runs.clean_sources  # (S, T, D)
+    units: list[tuple[int, int, Unit, torch.Tensor]] = []  # (first destination, n, unit, weight)
+    H = graph.n_head
+    for layer, block in enumerate(model.transformer.blocks):
+        first, heads = graph.layer_destinations(layer), graph.layer_sources(layer)
+        units.append((first, H + 2 * graph.n_kv_head, partial(head_outputs, block.attn, block.ln_1),
+                      weight[heads:heads + H]))
+        if block.mlp is not None and block.ln_2 is not None:
+            units.append((first + H + 2 * graph.n_kv_head, 1, nn.Sequential(block.ln_2, block.mlp),
+                          weight[heads + H:heads + H + 1]))
+
+    def logits_unit(x: torch.Tensor) -> torch.Tensor:  # m itself, (B, 1, 1, 1), from the final streams
+        return metric(model.head(x[:, 0, -1]), pair).view(-1, 1, 1, 1)
+
+    units.append((graph.layer_destinations(graph.n_layer), 1, logits_unit, weight.new_ones(1, 1, 1)))
+    scores = torch.zeros(len(edges))
+    chosen = [(i, *graph.edges[e]) for i, e in enumerate(edges)]  # (place in edges, source, destination)
+    with torch.no_grad():
+        for first, n, unit, unit_weight in units:
+            mine = [(i, s, d) for i, s, d in chosen if first <= d < first + n]
+            if mine:
+                cuts = [(d - first, s) for _, s, d in mine]
+                scores[[i for i, _, _ in mine]] = unit_scores(unit, reads[first:first + n], cuts, change,
+                                                              unit_weight).float().cpu()
+    return scores
+
+
 @dataclass(frozen=True)
 class Attribution:
     """Every scored edge's score, averaged over the pairs, and the metric on the clean and corrupted runs."""
@@ -196,7 +267,7 @@ def check_method(graph: Graph, method: str, steps: int, chosen: Sequence[str] | 
     if method == "exact" and graph.n_layer > EXACT_LAYERS and not chosen:
         raise SettingError(f"exact patching of all {len(graph.edges)} edges of a {graph.n_layer}-layer model "
                            f"is refused above {EXACT_LAYERS} layers: name a subset with {{e}}, or use "
-                           "eap or eap-ig", e="edges")
+                           "eap, eap-ig or eap-dest", e="edges")
 
 
 def attribute(model: GPT, pairs: Sequence[Pair], method: str = "eap-ig", steps: int = 16,
@@ -213,6 +284,8 @@ def attribute(model: GPT, pairs: Sequence[Pair], method: str = "eap-ig", steps: 
         runs = pair_runs(model, graph, pair)
         if method == "exact":
             total += exact_scores(model, graph, pair, runs, edges)
+        elif method == "eap-dest":
+            total += destination_scores(model, graph, pair, runs, edges)
         else:
             total += gradient_scores(model, graph, pair, runs, edges, steps if method == "eap-ig" else 0)
         clean, corrupt = clean + runs.clean, corrupt + runs.corrupt
