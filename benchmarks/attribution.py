@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from gptlab.checkpoint import load_run
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig
+from gptlab.inference.loading import load
 from gptlab.inspection.attribution import Attribution, Pair, attribute, certify
 from gptlab.model import GPT
 
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each method; the best counts (3)")
     args = parser.parse_args()
     if args.run:
-        model, _ = load_run(args.run)
+        model = load(args.run).model
     else:
         torch.manual_seed(0)
         model = GPT(DEMO_SHAPE).eval()

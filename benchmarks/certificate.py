@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from gptlab.checkpoint import load_run
 from gptlab.common import cpu_name
+from gptlab.inference.loading import load
 from gptlab.inspection.attribution import attribute, certify
 from gptlab.inspection.ground_truth import repeat_pairs
 from gptlab.model import GPT
@@ -36,7 +36,8 @@ def induction_model(out: Path, seed: int) -> tuple[GPT, list[int]]:
         model_config, train_config, *rest = resolve_configs("induction")
         seeded = dataclasses.replace(train_config, seed=seed)
         train(run, "repeats", model_config, seeded, *rest, progress=False)
-    model, tokenizer = load_run(run)
+    lm = load(run)
+    model, tokenizer = lm.model, lm.tokenizer
     return model, tokenizer.encode(string.ascii_letters)
 
 

@@ -34,10 +34,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from gptlab.checkpoint import BEST, load_checkpoint, load_run
+from gptlab.checkpoint import BEST, load_checkpoint
 from gptlab.common import cpu_name
 from gptlab.config import SamplingConfig
 from gptlab.generate import generate
+from gptlab.inference.loading import load
 from gptlab.lora import is_lora_tensor
 
 ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen " \
@@ -113,7 +114,8 @@ def gptlab(*args: str) -> tuple[float, str]:
 @torch.no_grad()
 def exact_match(run: Path, examples: list[dict[str, str]], batch: int = 100) -> float:
     """The share of examples whose greedy completion, up to its line break, is exactly the expected one."""
-    model, tokenizer = load_run(run)
+    lm = load(run)
+    model, tokenizer = lm.model, lm.tokenizer
     longest = max(len(e["completion"]) for e in examples)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=longest + 2)
     right = 0

@@ -27,7 +27,7 @@ extra (`pip install 'gptlab[hf]'`); without it the table is skipped.
     python benchmarks/generate.py            # all three models (about ten minutes on a 2-core CPU)
     python benchmarks/generate.py --quick    # the demo model only
     python benchmarks/generate.py --batches  # batched throughput on the GPT-2-small shape
-    python benchmarks/generate.py --int8     # float32 against int8 weights (gptlab.quantize)
+    python benchmarks/generate.py --int8     # float32 against int8 weights (gptlab.inference.quantize)
     python benchmarks/generate.py --int8-rows  # one int8 layer's product for 1 to 64 rows, each way
 
 `--batches` decodes 64 new tokens for batches of 1, 4, 16 and 64 prompts (all of 16 tokens, or of 1
@@ -57,9 +57,9 @@ import torch
 
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import Decoder, generate
-from gptlab.layouts import decoding_layout, faster_layout
+from gptlab.inference.layouts import decoding_layout, faster_layout
+from gptlab.inference.quantize import PACKED_MAX_ROWS, Int8Linear, quantize_int8
 from gptlab.model import GPT
-from gptlab.quantize import PACKED_MAX_ROWS, Int8Linear, quantize_int8
 
 LENGTHS = (128, 512, 1024)
 HF_NEW_TOKENS = 200

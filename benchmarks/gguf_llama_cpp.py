@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from gptlab.checkpoint import load_run
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data.prepare import prepare
+from gptlab.inference.loading import load
 from gptlab.interop.gguf import GGUF_TYPES, export_gguf, load_gguf, read_gguf
 from gptlab.model import GPT
 from gptlab.training.loop import train
@@ -107,7 +107,8 @@ def main() -> None:
             steps = TrainConfig(batch_size=16, max_steps=args.steps, lr=3e-3, min_lr=3e-4, warmup_steps=20,
                                 eval_interval=args.steps, eval_batches=2, device="cpu", precision="float32")
             train(root / shape, root / "data", config, steps, progress=False)
-            model, tokenizer = load_run(root / shape)
+            lm = load(root / shape)
+            model, tokenizer = lm.model, lm.tokenizer
             ids = tokenizer.encode(PROMPT)
             expected, reference = greedy(model, ids, args.new), logits_of(model, ids)
             for kind in GGUF_TYPES:

@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from gptlab.checkpoint import load_for_inference
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.data.corpora import repeats_text
 from gptlab.generate import Decoder, generate
-from gptlab.layouts import decoding_layout
+from gptlab.inference.layouts import decoding_layout
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.sampling import next_token
 from gptlab.speculative import SpeculationConfig, SpeculationStats, accept_draft
@@ -130,7 +130,8 @@ def table(model: str, threads: int, results: dict[str, tuple[float, list[int], S
 def copying_tables(run_dir: Path, repeats: int) -> list[str]:
     """Rows for the copying model, on one thread (its operations are tiny: a second one only adds
     hand-over time): plain and prompt lookup with k = 4, 6, 8 greedy; plain and k = 4 sampled."""
-    model, tokenizer = load_for_inference(run_dir, torch.device("cpu"), "float32", "none")
+    lm = load(run_dir, torch.device("cpu"), "float32", "none")
+    model, tokenizer = lm.model, lm.tokenizer
     prompts = [tokenizer.encode(repeats_text(lines=1, seed=seed)[:40]) for seed in range(101, 106)]
     name, vocab = "induction (2x64, ctx 64)", tokenizer.vocab_size
     greedy = SamplingConfig(temperature=0, max_new_tokens=256)

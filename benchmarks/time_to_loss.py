@@ -63,7 +63,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gptlab.checkpoint import LAST, load_checkpoint, load_run
+from gptlab.checkpoint import LAST, load_checkpoint
 from gptlab.common import cpu_name
 from gptlab.config import ModelConfig
 from gptlab.data.corpora import cache_dir, load_text
@@ -71,6 +71,7 @@ from gptlab.data.prepare import prepare
 from gptlab.data.tokens import TokenData
 from gptlab.evaluation.heldout import evaluate_tokens
 from gptlab.files import atomic_write
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 
 # nanoGPT's README, "I only have a macbook" (CPU): its command line, unchanged.
@@ -310,7 +311,7 @@ def gptlab_side(variant: Variant, args: argparse.Namespace, data_dir: Path, work
     for seed in range(1, args.seeds + 1):
         run, out = gptlab_run(variant, seed, data_dir, work, env, args.max_steps)
         checkpoint = load_checkpoint(out, prefer=LAST)
-        model = load_run(out, prefer=LAST)[0]
+        model = load(out, prefer=LAST).model
         run.score = score(model, val)
         runs.append(run)
         print(f"{run.name} seed {seed}: {run.wall_s:.1f} s whole ({run.train_s:.1f} s to the end of "

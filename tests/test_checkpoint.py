@@ -23,13 +23,13 @@ from gptlab.checkpoint import (
     data_folder,
     load_checkpoint,
     load_header,
-    load_run,
     model_tensors,
     portable,
     resolve_checkpoint,
     save_checkpoint,
 )
 from gptlab.config import ModelConfig, Seq2SeqConfig, TrainConfig
+from gptlab.inference.loading import load, ready_model
 from gptlab.model import GPT
 from gptlab.seq2seq.model import EncoderDecoder
 from gptlab.text.tokenizer import ByteTokenizer
@@ -122,8 +122,8 @@ def test_a_seq2seq_run_loaded_as_a_language_model_says_which_commands_to_use(tmp
     config = Seq2SeqConfig(vocab_size=16, block_size=8, n_layer=1, n_head=2, n_embd=8)
     save_checkpoint(tmp_path / BEST, checkpoint_of(EncoderDecoder(config)))
     with pytest.raises(ValueError, match="holds an encoder-decoder .*use the `gptlab seq2seq` commands"):
-        load_run(tmp_path)
-    model, _ = load_run(tmp_path, expect="encoder-decoder")
+        load(tmp_path)
+    model = ready_model(load_checkpoint(tmp_path), expect="encoder-decoder")
     assert isinstance(model, EncoderDecoder) and not model.training
 
 

@@ -15,9 +15,10 @@ import torch
 from torch.testing import assert_close
 
 from conftest import SAT_LINES
-from gptlab.checkpoint import LAST, load_run
+from gptlab.checkpoint import LAST
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.generate import Decoder
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.training.loop import train
 
@@ -79,5 +80,5 @@ def test_training_on_the_gpu_takes_bfloat16_and_muon_and_the_loss_falls(
     rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
     assert result.step == 40
     assert result.best_val_loss < 0.7 * float(rows[1].split(",")[2])  # from about ln(vocab) to well below
-    model = load_run(tmp_path / "run", prefer=LAST)[0]
+    model = load(tmp_path / "run", prefer=LAST).model
     assert next(model.parameters()).device.type == "cpu"

@@ -14,7 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from conftest import TwoStops
-from gptlab.checkpoint import Checkpoint, load_run, model_tensors, save_checkpoint
+from gptlab.checkpoint import Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ARRANGEMENTS, POSITIONS, ModelConfig, SamplingConfig
 from gptlab.generate import (
@@ -24,7 +24,8 @@ from gptlab.generate import (
     stream_text,
     text_chunks,
 )
-from gptlab.layouts import decoding_layout, faster_layout
+from gptlab.inference.layouts import decoding_layout, faster_layout
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.sampling import token_probabilities
 from gptlab.text.tokenizer import ByteTokenizer, CharTokenizer
@@ -243,7 +244,7 @@ def test_the_decoding_layout_changes_strides_only(run: Path, random_model: Rando
     assert all(m.weight.is_contiguous() for m in linears)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert faster_layout(model) in ("row", "column")  # measured on this CPU
-    loaded, _ = load_run(run)  # models loaded for inference on the CPU come in one of the two layouts
+    loaded = load(run).model  # models loaded for inference on the CPU come in one of the two layouts
     assert loaded.lm_head.weight.is_contiguous() or loaded.lm_head.weight.t().is_contiguous()
 
 

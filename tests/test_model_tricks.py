@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from gptlab.checkpoint import BEST, Checkpoint, load_run, model_tensors, save_checkpoint
+from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, Seq2SeqConfig
 from gptlab.generate import Decoder
+from gptlab.inference.loading import load
 from gptlab.inspection.lens import logit_lens
 from gptlab.interop import huggingface
 from gptlab.interop.gguf import export_gguf
@@ -200,7 +201,7 @@ def test_cached_generation_equals_recomputing(option: str, random_gpt: RandomGPT
 def test_checkpoint_round_trip(option: str, random_gpt: RandomGPT, tmp_path: Path) -> None:
     model = random_gpt(**OPTIONS[option])
     save_run(tmp_path, model)
-    loaded, _ = load_run(tmp_path)
+    loaded = load(tmp_path).model
     assert loaded.config == model.config
     for name, tensor in model.state_dict().items():  # the weights come back bit for bit
         assert torch.equal(loaded.state_dict()[name], tensor), name

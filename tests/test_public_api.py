@@ -7,6 +7,7 @@ test fail. From now on a name is retired as the README says: a release's depreca
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 import gptlab
 
 # gptlab.__all__: what `from gptlab import ...` promises.
-PACKAGE = ["EncoderDecoder", "GPT", "ModelConfig", "Seq2SeqConfig", "check", "parameter_count"]
+PACKAGE = ["EncoderDecoder", "GPT", "LM", "ModelConfig", "Seq2SeqConfig", "check", "load", "parameter_count"]
 
 # Documented module paths and their main names, each importable without a warning.
 MODULES = {
@@ -40,11 +41,28 @@ MODULES = {
     ],
     "gptlab.interop.shapes": ["HEAD", "expected_shapes"],
     "gptlab.interop.gguf": ["export_gguf", "load_gguf", "read_gguf"],
-    "gptlab.layouts": ["LAYOUTS", "decoding_layout", "faster_layout"],
+    "gptlab.inference.layouts": ["LAYOUTS", "decoding_layout", "faster_layout"],
     "gptlab.interop.families": ["Conversion", "export_family"],
     "gptlab.interop.peft": ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "export_peft_adapter", "peft_adapter"],
     "gptlab.lora": ["LoraConfig", "LoraLinear", "add_lora", "lora_layers", "merge_lora"],
     "gptlab.common": ["autocast", "resolve_device", "resolve_precision", "seed_everything"],
+    "gptlab.inference.loading": ["is_hf_folder", "load", "load_seq2seq", "read_for_inference", "ready_model"],
+    "gptlab.inference.lm": ["LM"],
+    "gptlab.inference.conversation": ["Conversation"],
+    "gptlab.inference.quantize": ["Int8Linear", "inference_weights", "quantize", "quantize_int8"],
+    "gptlab.settings": ["Config", "SettingError", "option"],
+    "gptlab.config": ["Config", "SettingError", "ModelConfig", "SamplingConfig", "SAMPLE_DEFAULTS"],
+}
+
+# Names that moved in this release: the old path still works, with a DeprecationWarning naming the new home.
+MOVED = {
+    ("gptlab.checkpoint", "load_run"): "gptlab.inference.loading",
+    ("gptlab.checkpoint", "load_for_inference"): "gptlab.inference.loading",
+    ("gptlab.checkpoint", "inference_model"): "gptlab.inference.loading",
+    ("gptlab.checkpoint", "load_seq2seq"): "gptlab.inference.loading",
+    ("gptlab.checkpoint", "generation_defaults"): "gptlab.inference.loading",
+    ("gptlab.quantize", "inference_weights"): "gptlab.inference.quantize",
+    ("gptlab.layouts", "decoding_layout"): "gptlab.inference.layouts",
 }
 
 def test_the_package_exports_its_public_names() -> None:
@@ -60,3 +78,12 @@ def test_documented_module_paths_offer_their_names_without_a_warning(module: str
         imported = importlib.import_module(module)
         missing = [name for name in MODULES[module] if not hasattr(imported, name)]
     assert not missing, f"{module} lost {missing}: keep them, or deprecate them and list them here as moved"
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(MOVED))
+def test_moved_names_still_work_with_a_warning_naming_their_new_home(module: str, name: str) -> None:
+    if module in ("gptlab.quantize", "gptlab.layouts"):  # a moved module warns when it is imported
+        sys.modules.pop(module, None)
+    with pytest.warns(DeprecationWarning, match=MOVED[module, name].replace(".", r"\.")):
+        found = getattr(importlib.import_module(module), name)
+    assert callable(found)

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from gptlab.checkpoint import load_for_inference, load_run
 from gptlab.cli import main
 from gptlab.config import POSITIONS, ModelConfig, SamplingConfig, Seq2SeqConfig
 from gptlab.generate import Decoder, generate
+from gptlab.inference.loading import load
+from gptlab.inference.quantize import Int8Linear, inference_weights, quantize, quantize_int8, quantize_rows
 from gptlab.model import GPT
-from gptlab.quantize import Int8Linear, inference_weights, quantize, quantize_int8, quantize_rows
 from gptlab.seq2seq import tasks
 from gptlab.seq2seq.model import EncoderDecoder, decode_answers
 
@@ -223,7 +223,8 @@ def test_eval_and_sample_with_int8_weights(trained_run: Path, capsys: pytest.Cap
     out = capsys.readouterr().out
     assert out.startswith("--- sample 1 ---\nthe cat") and len(out) > len("--- sample 1 ---\nthe cat") + 10
     # the same text as the int8 model gives from Python (bfloat16 products, so not necessarily float32's)
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     quantize_int8(model)
     tokens = rows_of(generate(model, [tokenizer.encode("the cat")], SamplingConfig(temperature=0,
                                                                                    max_new_tokens=20)))[0]
@@ -238,9 +239,9 @@ def test_bad_quantize_options_are_one_line(trained_run: Path, capsys: pytest.Cap
     assert "argument --quantize: invalid choice: 'int4'" in capsys.readouterr().err
     # a device other than the CPU (meta stands in for a GPU this machine may not have): wiring only,
     # the library's refusal itself is tested above
-    import gptlab.common
+    import gptlab.inference.loading
 
-    monkeypatch.setattr(gptlab.common, "resolve_device", lambda name: torch.device("meta"))
+    monkeypatch.setattr(gptlab.inference.loading, "resolve_device", lambda name: torch.device("meta"))
     assert main(["sample", str(trained_run), "--device", "cuda", "--quantize", "int8"]) == 2
     err = capsys.readouterr().err
     assert err == ("gptlab: error: --quantize int8 runs on the CPU only, not on meta: use --device cpu, "
@@ -250,19 +251,21 @@ def test_bad_quantize_options_are_one_line(trained_run: Path, capsys: pytest.Cap
 def test_load_for_inference_holds_a_runs_weights_as_asked(trained_run: Path) -> None:
     """The one loader of the commands that run a model: load_run's model and tokenizer, then
     inference_weights."""
-    model, tokenizer = load_for_inference(trained_run, "cpu", "bfloat16")
-    reference, reference_tokenizer = load_run(trained_run)
+    lm = load(trained_run, device="cpu", dtype="bfloat16")
+    model, tokenizer = lm.model, lm.tokenizer
+    lm = load(trained_run)
+    reference, reference_tokenizer = lm.model, lm.tokenizer
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not model.training
     assert tokenizer.to_dict() == reference_tokenizer.to_dict()
     for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
         assert torch.equal(ours, theirs.to(torch.bfloat16))
-    int8, _ = load_for_inference(trained_run, quantize="int8")
+    int8 = load(trained_run, quantize="int8").model
     assert isinstance(int8.lm_head, Int8Linear)
 
 
 def test_bfloat16_weights_for_sample_and_eval(trained_run: Path, capsys: pytest.CaptureFixture) -> None:
     """--dtype bfloat16 runs the commands on bfloat16 weights; with --quantize it is a one-line error."""
-    model = inference_weights(load_run(trained_run)[0], "bfloat16", "none")
+    model = inference_weights(load(trained_run).model, "bfloat16", "none")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert main(["sample", str(trained_run), "--prompt", "the", "--max-new-tokens", "5", "--dtype",
                  "bfloat16"]) == 0

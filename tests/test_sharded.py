@@ -17,9 +17,10 @@ from safetensors.torch import load_file
 
 from conftest import INSPECT_TEXT, assert_identical_runs
 from gptlab import sharded
-from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run
+from gptlab.checkpoint import BEST, LAST, load_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
+from gptlab.inference.loading import load
 from gptlab.training.loop import train
 from gptlab.training.resume import resume
 
@@ -106,7 +107,7 @@ def test_every_command_reads_a_sharded_run_as_it_reads_files(runs: tuple[Path, P
 def test_serving_and_exporting_read_a_sharded_run(runs: tuple[Path, Path], tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("transformers")
-    (files_model, _), (shards_model, _) = (load_run(run) for run in runs)  # what `gptlab serve` loads
+    files_model, shards_model = (load(run).model for run in runs)  # what `gptlab serve` loads
     ids = torch.arange(10).unsqueeze(0)  # (1, 10)
     files_state, shards_state = files_model.state_dict(), shards_model.state_dict()
     assert all(torch.equal(tensor, shards_state[name]) for name, tensor in files_state.items())

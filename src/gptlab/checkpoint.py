@@ -9,30 +9,31 @@ are full tensors keyed by parameter name, so the file is the same whatever the w
 Writes go to a temporary file that is fsynced and then renamed over the old one, so a crash or kill
 at any moment leaves the previous checkpoint intact. Runs sharded over processes (torchrun with FSDP)
 save sharded checkpoints instead (gptlab.sharded: a folder of shards and a pointer file); every reader
-here takes either kind.
+here takes either kind. A model ready to run (adapters, device, dtype, int8, layout) is
+`gptlab.inference.loading`'s job: `gptlab.load`.
 """
 
 from __future__ import annotations
 
 import base64
+import importlib
 import json
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from gptlab import sharded
-from gptlab.config import ModelConfig, Seq2SeqConfig, SettingError, TaskConfig, TrainConfig
+from gptlab.config import ModelConfig, Seq2SeqConfig, SettingError, TrainConfig
 from gptlab.files import RunLock, atomic_write, file_sha256, remove_stale_temporaries
-from gptlab.layouts import decoding_layout
 from gptlab.model import GPT
-from gptlab.quantize import inference_weights
 from gptlab.seq2seq.model import EncoderDecoder
-from gptlab.text.tokenizer import DamagedTokenizerError, SymbolTokenizer, Tokenizer, tokenizer_from_dict
+from gptlab.text.tokenizer import DamagedTokenizerError, Tokenizer, tokenizer_from_dict
 
 FORMAT = "gptlab-checkpoint-1"
 # The state key of an adapter run (`gptlab finetune --lora`): {"base": its base run's checkpoint file,
@@ -43,9 +44,7 @@ ADAPTER = "lora"
 LAST, BEST = "last.safetensors", "best.safetensors"
 # The architectures a checkpoint may hold: its config class and model class, by the name it is saved under.
 ARCHITECTURES: dict[str, tuple[type[ModelConfig], Callable[..., GPT | EncoderDecoder]]] = {
-    "decoder": (ModelConfig, GPT),
-    "encoder-decoder": (Seq2SeqConfig, EncoderDecoder),
-}
+    "decoder": (ModelConfig, GPT), "encoder-decoder": (Seq2SeqConfig, EncoderDecoder)}
 
 
 def architecture(config: ModelConfig) -> str:
@@ -281,12 +280,6 @@ def load_header(path: str | Path, prefer: str = BEST) -> Checkpoint:
     return _read(path, prefer, "header")
 
 
-def generation_defaults(run_path: str | Path) -> dict[str, Any]:
-    """The sampling settings a run asks for when the user gives none (an imported model's
-    generation_config.json): keys among temperature, top_p, top_k, max_new_tokens; empty for most runs."""
-    return dict(load_header(run_path).state.get("generation", {}))
-
-
 def _read(path: str | Path, prefer: str, read: str) -> Checkpoint:
     """`read`: which tensors: header (none), weights (not the optimiser's), all, or shapes (all, as meta
     tensors, from a sharded checkpoint; a file reads them all)."""
@@ -351,104 +344,20 @@ def parse_checkpoint(metadata: dict[str, str], groups: dict[str, dict[str, torch
         for key, tensor in groups["optim"].items():
             param, _, slot = key.rpartition("/")
             optimizer.setdefault(param, {})[slot] = tensor
-    return Checkpoint(
-        model_config=config_class.from_dict(json.loads(metadata["model_config"])),
-        tokenizer=json.loads(metadata["tokenizer"]),
-        model_state=groups["model"],
-        train_config=TrainConfig.from_dict(train_config) if train_config else None,
-        state=json.loads(metadata["state"]),
-        optimizer_state=optimizer,
-        rng=groups["rng"],
-        source=source,
-    )
+    return Checkpoint(config_class.from_dict(json.loads(metadata["model_config"])),
+                      json.loads(metadata["tokenizer"]), groups["model"],
+                      TrainConfig.from_dict(train_config) if train_config else None,
+                      json.loads(metadata["state"]), optimizer, groups["rng"], source)
 
 
 HOLDS = {"decoder": "a decoder-only language model: use the language-model commands (train, sample, ...)",
          "encoder-decoder": "an encoder-decoder (seq2seq) model: use the `gptlab seq2seq` commands"}
 
 
-
-
-
-
 def require_architecture(found: str, path: str | Path, expect: str) -> None:
     """A ValueError saying which commands to use when `path` holds another architecture than `expect`."""
     if found != expect:
         raise ValueError(f"{path} holds {HOLDS[found]}")
-
-
-# The model's type follows `expect` (another architecture is a ValueError), as these overloads say.
-@overload
-def load_run(path: str | Path, device: torch.device | str = ..., prefer: str = ...,
-             expect: Literal["decoder"] = ..., dtype: torch.dtype = ...) -> tuple[GPT, Tokenizer]: ...
-@overload
-def load_run(path: str | Path, device: torch.device | str = ..., prefer: str = ..., *,
-             expect: Literal["encoder-decoder"], dtype: torch.dtype = ...,
-             ) -> tuple[EncoderDecoder, Tokenizer]: ...
-@overload
-def load_run(path: str | Path, device: torch.device | str = ..., prefer: str = ..., expect: str = ...,
-             dtype: torch.dtype = ...) -> tuple[GPT | EncoderDecoder, Tokenizer]: ...
-def load_run(
-    path: str | Path, device: torch.device | str = "cpu", prefer: str = BEST, expect: str = "decoder",
-    dtype: torch.dtype = torch.float32,
-) -> tuple[GPT | EncoderDecoder, Tokenizer]:
-    """The model (in eval mode, on `device`, its weights in `dtype`) and tokenizer of a run folder or
-    checkpoint file.
-
-    `expect` names the architecture the caller can use; another one is a ValueError saying what to run.
-    """
-    checkpoint = load_checkpoint(path, prefer, optimizer=False)
-    return inference_model(checkpoint, path, device, expect, dtype), checkpoint.load_tokenizer()
-
-
-def load_for_inference(run: str | Path, device: torch.device | str = "cpu", dtype: str = "float32",
-                       quantize: str = "none") -> tuple[GPT, Tokenizer]:
-    """A run's decoder (its best checkpoint, in eval mode, on `device`) and tokenizer, its weights held in
-    `dtype` (float32, bfloat16) or quantised (none, int8) as `gptlab.quantize.inference_weights` says.
-    A LoRA run's adapters are merged first when quantised: int8 replaces every linear layer, theirs too."""
-    model, tokenizer = load_run(run, device)
-    if quantize != "none" and ADAPTER in load_header(run).state:
-        from gptlab.lora import merge_lora
-
-        model = merge_lora(model)
-    return inference_weights(model, dtype, quantize), tokenizer
-
-
-@overload
-def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = ...,
-                    expect: Literal["decoder"] = ..., dtype: torch.dtype = ...) -> GPT: ...
-@overload
-def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = ..., *,
-                    expect: Literal["encoder-decoder"], dtype: torch.dtype = ...) -> EncoderDecoder: ...
-@overload
-def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = ...,
-                    expect: str = ..., dtype: torch.dtype = ...) -> GPT | EncoderDecoder: ...
-def inference_model(checkpoint: Checkpoint, path: str | Path, device: torch.device | str = "cpu",
-                    expect: str = "decoder", dtype: torch.dtype = torch.float32) -> GPT | EncoderDecoder:
-    """The checkpoint's model in eval mode on `device` (in the decoding layout on the CPU).
-
-    bfloat16 weights halve the memory a step reads; the logits then differ from float32 a little
-    (`gptlab verify RUN --dtype bfloat16` measures how much).
-    """
-    require_architecture(architecture(checkpoint.model_config), path, expect)
-    model = checkpoint.build_model().to(device=device, dtype=dtype).eval()
-    if next(model.parameters()).device.type == "cpu":  # faster batch-1 decoding, the same logits
-        decoding_layout(model)
-    return model
-
-
-def load_seq2seq(path: str | Path, device: torch.device | str = "cpu", dtype: str = "float32",
-                 quantize: str = "none") -> tuple[EncoderDecoder, SymbolTokenizer, TaskConfig]:
-    """The encoder-decoder (eval mode, on `device`, its weights as `load_for_inference` holds them), its
-    vocabulary and its task, from a seq2seq run."""
-    checkpoint = load_checkpoint(path, optimizer=False)
-    model = inference_weights(inference_model(checkpoint, path, device, expect="encoder-decoder"), dtype,
-                              quantize)
-    vocab = checkpoint.load_tokenizer()
-    if not isinstance(vocab, SymbolTokenizer):  # every seq2seq run is trained on tasks.vocabulary()
-        raise ValueError(f"{path} holds a {vocab.kind} tokenizer, not a seq2seq task's symbols: "
-                         "use another run")
-    return model, vocab, TaskConfig.from_dict(checkpoint.state["task"])
 
 
 def data_folder(run_dir: Path, state: dict[str, Any]) -> Path:
@@ -473,3 +382,17 @@ def portable(state: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     folder = Path(state["data_dir"]).resolve()
     inside = folder.is_relative_to(run_dir.resolve())
     return {**state, "data_dir": str(folder.relative_to(run_dir.resolve()) if inside else folder)}
+
+
+# Names that moved to gptlab.inference.loading: they keep working for one release, with a warning.
+_MOVED = {"load_run": "load", "load_for_inference": "load", "inference_model": "ready_model",
+          "load_seq2seq": "load_seq2seq", "generation_defaults": "load"}
+
+
+def __getattr__(name: str) -> Any:
+    """A moved name, forwarded to its new home with a DeprecationWarning (PEP 562)."""
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"gptlab.checkpoint.{name} goes in the next release: use gptlab.inference.loading."
+                  f"{_MOVED[name]} (gptlab.load)", DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module("gptlab.inference.deprecated"), name)

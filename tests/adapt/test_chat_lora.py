@@ -22,13 +22,13 @@ from gptlab.checkpoint import (
     LAST,
     Checkpoint,
     load_checkpoint,
-    load_run,
     model_tensors,
     save_checkpoint,
 )
 from gptlab.cli import main
 from gptlab.config import ModelConfig
 from gptlab.handout.verify_finetune import lora_checks
+from gptlab.inference.loading import load
 from gptlab.lora import (
     LoraConfig,
     TokenRowsEmbedding,
@@ -144,13 +144,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def test_the_run_saves_the_new_rows_and_loads_with_them(runs: Path) -> None:
     saved = load_checkpoint(runs / "lora")
-    base, base_tokenizer = load_run(runs / "base")
+    lm = load(runs / "base")
+    base, base_tokenizer = lm.model, lm.tokenizer
     old = base_tokenizer.vocab_size
     assert saved.tokenizer["specials"] == list(NativeTemplate.special_tokens)  # the grown tokenizer
     assert saved.state["lora"]["new_rows"] == {"ids": [old, old + 1, old + 2, old + 3], "mean_of": old}
     assert set(saved.model_state) == {*(n for n in saved.model_state if ".lora_" in n),
                                       "transformer.wte.token_rows"}  # tied: no head rows of its own
-    model, tokenizer = load_run(runs / "lora")
+    lm = load(runs / "lora")
+    model, tokenizer = lm.model, lm.tokenizer
     assert isinstance(model.transformer.wte, TokenRowsEmbedding) and tokenizer.vocab_size == old + 4
     wte = model.transformer.wte
     assert torch.equal(wte.weight[:old], base.transformer.wte.weight)  # old rows bit-identical
@@ -178,13 +180,16 @@ def test_chat_sample_merge_and_verify_use_the_trained_rows(runs: Path, capsys: p
         answers.append(json.loads(capsys.readouterr().out)["tokens"])
     assert answers[0] == answers[1] and answers[0]
 
-    adapted, tokenizer = load_run(runs / "lora")
-    merged, merged_tokenizer = load_run(runs / "merged")
+    lm = load(runs / "lora")
+
+    adapted, tokenizer = lm.model, lm.tokenizer
+    lm = load(runs / "merged")
+    merged, merged_tokenizer = lm.model, lm.tokenizer
     assert merged_tokenizer.to_dict() == tokenizer.to_dict()
     x = torch.tensor([tokenizer.encode(NativeTemplate().render(CHATS[1]))[:32]])  # (1, T) with markers
     with torch.no_grad():
         assert_close(merged(x)[0], adapted(x)[0], rtol=1e-5, atol=1e-5)
-    base_weight = load_run(runs / "base")[0].transformer.wte.weight
+    base_weight = load(runs / "base").model.transformer.wte.weight
     assert torch.equal(merged.transformer.wte.weight[:base_weight.size(0)], base_weight)
     with torch.no_grad():
         found = lora_checks(adapted, load_checkpoint(runs / "lora").state, x, torch.finfo(torch.float32).eps)
@@ -193,11 +198,12 @@ def test_chat_sample_merge_and_verify_use_the_trained_rows(runs: Path, capsys: p
 
 def test_an_int8_lora_run_keeps_its_adapters(runs: Path) -> None:
     """int8 replaces every linear layer: a LoRA run is merged first, so its adapters and rows still act."""
-    from gptlab.checkpoint import load_for_inference
-    from gptlab.quantize import Int8Linear
+    from gptlab.inference.quantize import Int8Linear
 
-    adapted, tokenizer = load_run(runs / "lora")
-    quantised, _ = load_for_inference(runs / "lora", quantize="int8")
+    lm = load(runs / "lora")
+
+    adapted, tokenizer = lm.model, lm.tokenizer
+    quantised = load(runs / "lora", quantize="int8").model
     assert not any(".lora_" in name for name, _ in quantised.named_parameters())
     assert any(isinstance(m, Int8Linear) for m in quantised.modules())
     x = torch.tensor([tokenizer.encode(NativeTemplate().render(CHATS[1]))[:32]])  # (1, T) with markers
@@ -213,7 +219,7 @@ def test_export_hf_writes_the_markers_and_refuses_the_adapter_alone(
     from transformers import AutoTokenizer
 
     assert main(["export-hf", str(runs / "lora"), str(runs / "hf")]) == 0
-    _, tokenizer = load_run(runs / "lora")
+    tokenizer = load(runs / "lora").tokenizer
     hf = AutoTokenizer.from_pretrained(runs / "hf")
     text = NativeTemplate().render(CHATS[2], add_generation_prompt=True)
     assert hf.encode(text) == tokenizer.encode(text) and hf.decode(tokenizer.encode(text)) == text
@@ -247,7 +253,9 @@ def test_peft_on_the_exported_run_gives_the_adapted_logits(family: str, tmp_path
     heads = {"gpt2": ["transformer.wte"], "llama": ["lm_head", "model.embed_tokens"]}[family]
     assert config["trainable_token_indices"] == {name: new_ids for name in heads}
 
-    adapted, grown = load_run(tmp_path / "lora")
+    lm = load(tmp_path / "lora")
+
+    adapted, grown = lm.model, lm.tokenizer
     wte = adapted.transformer.wte
     assert isinstance(wte, TokenRowsEmbedding)
     assert (wte.token_rows - wte.weight[new_ids]).abs().max() > 1e-3  # the rows PEFT must apply trained

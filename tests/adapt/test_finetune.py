@@ -20,12 +20,12 @@ from gptlab.checkpoint import (
     LAST,
     Checkpoint,
     load_checkpoint,
-    load_run,
     model_tensors,
     save_checkpoint,
 )
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SettingError, TrainConfig
+from gptlab.inference.loading import load
 from gptlab.lora import LoraConfig, LoraLinear, adapters_disabled, add_lora
 from gptlab.model import GPT
 from gptlab.text.tokenizer import CharTokenizer
@@ -81,7 +81,7 @@ def test_finetune_learns_a_task_and_answers_held_out_prompts(tmp_path: Path, one
                               steps(150, lr=1e-2, min_lr=1e-3, eval_interval=50), progress=False)
     rows = list(csv.DictReader((tmp_path / "run" / "metrics.csv").open()))
     assert float(rows[-1]["val_loss"]) < 0.2 * float(rows[0]["val_loss"])
-    model, _ = load_run(tmp_path / "run")
+    model = load(tmp_path / "run").model
     seen = {w for w in words(60, 0)}
     held_out = [w for w in words(40, seed=1) if w not in seen][:20]
     assert [greedy(model, w + "=", 3) for w in held_out] == [answer(w) for w in held_out]
@@ -193,7 +193,7 @@ def test_lora_run_saves_only_adapters_and_loads_as_the_adapted_model(tmp_path: P
 
     adapted = load_checkpoint(tmp_path / "lora").build_model().eval()
     plain = load_checkpoint(base).build_model().eval()
-    assert any(isinstance(m, LoraLinear) for m in load_run(tmp_path / "lora")[0].modules())
+    assert any(isinstance(m, LoraLinear) for m in load(tmp_path / "lora").model.modules())
     idx = torch.tensor([TOKENIZER.encode("abc=ca\nh")])  # (1, 8)
     with torch.no_grad():
         tuned, base_logits = adapted(idx)[0], plain(idx)[0]
@@ -259,8 +259,9 @@ def test_messages_on_a_model_without_chat_markers_grow_its_vocabulary(tmp_path: 
     assert "LoRA r=2 and the 4 new tokens' rows" in notes[1]
     _, _, notes = finetune(hf_run, tmp_path / "run", SFTConfig(data=str(data)), steps(2), progress=False)
     assert "<|user|>" in notes[0]
-    model, tokenizer = load_run(tmp_path / "run")
-    _, base_tokenizer = load_run(hf_run)
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
+    base_tokenizer = load(hf_run).tokenizer
     marker = tokenizer.encode_array("<|assistant|>").tolist()  # a new id, with its row in the model
     assert len(marker) == 1 and base_tokenizer.vocab_size <= marker[0] < model.config.vocab_size
     assert load_checkpoint(tmp_path / "run").state["chat_template"] == {"kind": "native"}

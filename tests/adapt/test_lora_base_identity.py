@@ -13,8 +13,9 @@ import torch
 from test_finetune import make_base, steps, write_task
 
 from gptlab.adapt.finetune import SFTConfig, finetune, resume_finetune
-from gptlab.checkpoint import BEST, LAST, Checkpoint, load_checkpoint, load_run, save_checkpoint
+from gptlab.checkpoint import BEST, LAST, Checkpoint, load_checkpoint, save_checkpoint
 from gptlab.cli import main
+from gptlab.inference.loading import load
 from gptlab.lora import LoraConfig
 
 CHANGED = "which has changed since (its content hash differs): restore that base, or fine-tune again"
@@ -49,7 +50,7 @@ def test_an_unchanged_base_loads_and_the_record_holds_its_hash(runs: tuple[Path,
         saved = load_checkpoint(lora / name, optimizer=False).state["lora"]
         assert saved["base"] == str(base_file)
         assert saved["base_sha256"] == hashlib.sha256(base_file.read_bytes()).hexdigest()
-    model, _ = load_run(lora)
+    model = load(lora).model
     assert any(".lora_" in name for name, _ in model.named_parameters())
 
 
@@ -63,7 +64,7 @@ def test_a_changed_base_is_refused_by_every_load_naming_it(runs: tuple[Path, Pat
     assert str(base_file) in str(raised.value) and str(lora) in str(raised.value)
     assert "\n" not in str(raised.value)
     with pytest.raises(ValueError, match=re.escape(CHANGED)):
-        load_run(lora)
+        load(lora)
 
     capsys.readouterr()
     commands = [["sample", str(lora), "--prompt", "abc=", "--max-new-tokens", "2"], ["verify", str(lora)],

@@ -12,10 +12,12 @@ import torch
 
 from conftest import INSPECT_TEXT
 from gptlab.adapt.chat import add_chat_tokens
-from gptlab.checkpoint import BEST, Checkpoint, load_run, model_tensors, save_checkpoint
+from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import stream_text
+from gptlab.inference.lm import LM
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.text.chat_template import NativeTemplate
 from gptlab.text.tokenizer import BPETokenizer
@@ -51,7 +53,8 @@ def chat_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def reference(run: Path, messages: list[dict], sampling: SamplingConfig) -> tuple[str, str | None]:
     """The reply `stream_text` gives for the rendered conversation, cut at the native end of turn."""
-    model, tokenizer = load_run(run)
+    lm = load(run)
+    model, tokenizer = lm.model, lm.tokenizer
     prompt = NativeTemplate().render(messages, add_generation_prompt=True)
     chunks = list(stream_text(model, tokenizer, prompt, sampling.replace(stop=(*sampling.stop, END))))
     return "".join(c.text for c in chunks), chunks[-1].stop_reason
@@ -118,8 +121,10 @@ def test_cli_and_server_give_the_same_greedy_answer(chat_run: Path, capsys: pyte
 
     from gptlab.serve.app import create_app
 
-    model, tokenizer = load_run(chat_run)
-    app = create_app(model, tokenizer, "chat", template=NativeTemplate(), allowed_hosts=None)
+    lm = load(chat_run)
+
+    model, tokenizer = lm.model, lm.tokenizer
+    app = create_app(LM.from_model(model, tokenizer), "chat", allowed_hosts=None)
     with TestClient(app) as client:
         reply = client.post("/v1/chat/completions", json={
             "messages": [{"role": "user", "content": "my bird"}], "temperature": 0, "max_tokens": 12}).json()

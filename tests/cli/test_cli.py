@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from gptlab.cli import main
+from gptlab.inference.loading import load
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -151,7 +152,6 @@ def test_training_ends_with_one_validation_figure_the_best_checkpoint_on_the_val
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """One validation loss is printed, said to be the best checkpoint's on the val split, and it is that:
     the loss `evaluate_tokens` gives the best checkpoint on the run's val split."""
-    from gptlab.checkpoint import load_run
     from gptlab.data.tokens import TokenData
     from gptlab.evaluation.heldout import EVAL_TOKENS, evaluate_tokens
 
@@ -161,7 +161,7 @@ def test_training_ends_with_one_validation_figure_the_best_checkpoint_on_the_val
     assert len(figures) == 1 and figures[0].startswith("best checkpoint (step 4) on the val split: loss "), \
         report
     printed = float(figures[0].split("loss ")[1].split()[0])
-    model, _ = load_run(tmp_path / "run")
+    model = load(tmp_path / "run").model
     val = TokenData(tmp_path / "run" / "data").split("val")
     reference = evaluate_tokens(model, val, max_tokens=EVAL_TOKENS)
     assert printed == pytest.approx(reference.loss, abs=1e-4)

@@ -13,6 +13,7 @@ from conftest import SAT_LINES
 from gptlab.cli import main
 from gptlab.cli.sample import print_samples
 from gptlab.config import SamplingConfig
+from gptlab.inference.loading import load
 
 LONG = "the cat sat on the mat. a dog sat on the rug. "  # 46 characters: past trained_run's window of 24
 NOTE = ("note: the prompt is 46 tokens, more than the model's context window of 24: only its last 24 are "
@@ -51,7 +52,7 @@ def test_attention_and_ablate_read_the_end_the_position_commands_refuse(
 def test_print_samples_saves_what_it_printed(trained_run: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     for as_json in (False, True):
-        print_samples(trained_run, "the ", 2, SamplingConfig(seed=0, max_new_tokens=12), device="cpu",
+        print_samples(load(trained_run), "the ", 2, SamplingConfig(seed=0, max_new_tokens=12),
                       as_json=as_json, save=tmp_path / "samples.txt")
         assert (tmp_path / "samples.txt").read_text(encoding="utf-8") == capsys.readouterr().out
 

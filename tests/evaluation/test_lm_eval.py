@@ -29,6 +29,7 @@ from test_serve import start_server  # noqa: E402
 
 from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint  # noqa: E402
 from gptlab.config import ModelConfig  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
 from gptlab.interop.huggingface import export_hf  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
@@ -162,7 +163,7 @@ def test_lm_eval_hf_backend_on_the_exported_folder_agrees(tiny: Tiny, offline: N
 
 def test_lm_eval_local_completions_against_gptlab_serve_agrees(tiny: Tiny, offline: None) -> None:
     pytest.importorskip("tenacity")  # lm-eval's API models need its `api` extra
-    app = create_app(tiny.model, tiny.tokenizer, "tiny-bpe", max_batch=4)
+    app = create_app(LM.from_model(tiny.model, tiny.tokenizer), "tiny-bpe", max_batch=4)
     url, server, thread = start_server(app)
     try:
         # The remote tokenizer is the server's own (/tokenize); lm-eval keeps max_length - 1 prompt tokens.

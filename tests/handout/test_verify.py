@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.handout.verify import verify_model
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.positions import SinusoidalPositions
 
@@ -26,7 +26,7 @@ def by_name(properties: list) -> dict[str, Any]:
 
 
 def test_verify_passes_on_a_trained_model(trained_run: Path) -> None:
-    properties = by_name(verify_model(load_run(trained_run)[0]))
+    properties = by_name(verify_model(load(trained_run).model))
     assert [p.passed for p in properties.values()] == [True, True, True, True, True, None]
     assert properties["logits at i ignore every input after i"].deviation == 0.0
     assert 0 <= properties["attention rows sum to one"].deviation < 1e-5
@@ -92,7 +92,8 @@ def test_verify_command_exit_status(trained_run: Path, tmp_path: Path, capsys: p
     assert main(["verify", str(trained_run)]) == 0
     out = capsys.readouterr().out
     assert out.count("PASS") == 5 and out.count("n/a") == 1 and "0 failed" in out
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     open_model = GPT(model.config.replace(causal=False))  # the same weights without the mask
     open_model.load_state_dict(model.state_dict())
     save_model(tmp_path / "open", open_model, tokenizer)
@@ -106,7 +107,7 @@ def test_verify_command_exit_status(trained_run: Path, tmp_path: Path, capsys: p
 
 def test_bfloat16_verify_reports_the_difference_to_float32(trained_run: Path,
                                                            capsys: pytest.CaptureFixture) -> None:
-    model = load_run(trained_run)[0]
+    model = load(trained_run).model
     found = by_name(verify_model(copy.deepcopy(model).to(torch.bfloat16), reference=model))
     precision = found["reduced precision: logits vs float32"]
     assert precision.passed and 0 < precision.deviation < 1  # rounded weights: a small difference, never none

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from gptlab.checkpoint import load_run
 from gptlab.cli import main
+from gptlab.inference.loading import load
 from gptlab.inspection.attention_view import attention_maps, save_attention_html
 from gptlab.inspection.tokens import token_label
 from gptlab.text.tokenizer import ByteTokenizer
@@ -31,7 +31,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def test_attention_maps_are_the_models_weights_and_predictions(trained_run: Path,
                                                                written_out_attention: Any) -> None:
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     ids = tokenizer.encode(PROMPT)
     idx = torch.tensor([ids])
     maps = attention_maps(model, tokenizer, PROMPT, ids, layer=1, head=0)
@@ -84,7 +85,8 @@ SHOWN = "[document.getElementById('map').dataset.layer, document.getElementById(
 @pytest.mark.slow  # starts a headless Chromium
 def test_html_page_controls_change_the_head_in_headless_chromium(trained_run: Path, tmp_path: Path,
                                                                  browser: Chromium) -> None:
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     ids = tokenizer.encode(PROMPT)
     maps = attention_maps(model, tokenizer, PROMPT, ids)
     page = tmp_path / "attention.html"

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.generate import generate
+from gptlab.inference.loading import load
 from gptlab.inspection.detectors import repeat_ablation, repeated_tokens, score_heads
 from gptlab.inspection.hooks import hook_points, record
 from gptlab.inspection.lens import logit_lens, stage_points
@@ -222,7 +222,8 @@ def test_lens_page_shows_the_lens_and_the_models_own_prediction(trained_run: Pat
     prompt = "the cat sat on"
     assert main(["lens", str(trained_run), "--prompt", prompt, "--out", str(tmp_path / "l.html")]) == 0
     page = (tmp_path / "l.html").read_text(encoding="utf-8")
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     ids = tokenizer.encode(prompt)
     lens = logit_lens(model, tokenizer, prompt, ids)
     rows = re.findall(r"<tr><th>(.*?)</th>(.*?)</tr>", page)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptlab.checkpoint import load_run
+from gptlab.inference.loading import load
 from gptlab.inspection.attribution import attribute, certify
 from gptlab.inspection.circuit import find_circuit, recovery
 from gptlab.inspection.ground_truth import WIRED_CIRCUIT, induction_edges, repeat_pairs, wired_induction
@@ -74,7 +74,8 @@ def induction_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_trained_induction_circuit_holds_the_detected_edges(induction_run: Path) -> None:
-    model, tokenizer = load_run(induction_run)
+    lm = load(induction_run)
+    model, tokenizer = lm.model, lm.tokenizer
     known = induction_edges(model)
     assert known and all(name.startswith("a0.") and name.endswith(".k") for name in known)
     pairs = repeat_pairs(tokenizer.encode(string.ascii_letters), 16, span=16, seed=0)

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from gptlab.checkpoint import load_run
 from gptlab.cli import main
 from gptlab.config import ModelConfig
+from gptlab.inference.loading import load
 from gptlab.inspection.hooks import record
 from gptlab.inspection.interventions import ablate_heads, edit_tokens, intervene
 from gptlab.inspection.tokens import token_label
@@ -155,7 +155,8 @@ def test_intervene_command(trained_run: Path, capsys: pytest.CaptureFixture) -> 
     out = capsys.readouterr().out
     assert "before: 'the cat sat on' (14 tokens)" in out and "after:  'the dog sat o' (13 tokens)" in out
     assert "replaced position 6: 't' -> 'g'" in out and "dropped position 13: 'n'" in out
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     with torch.no_grad():
         after = F.softmax(model(torch.tensor([tokenizer.encode("the dog sat o")]))[0][0, -1], dim=-1)
     rows = table_rows(out, 4)
@@ -191,7 +192,8 @@ def test_ablate_command_prints_a_sorted_table_and_a_heatmap(trained_run: Path, t
     rows = table_rows(out, 4)
     assert [(int(r[0]), int(r[1])) for r in rows] != [] and len(rows) == 4  # 2 layers x 2 heads
     assert [float(r[2]) for r in rows] == sorted(float(r[2]) for r in rows)  # largest drop first
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     result = ablate_heads(model, tokenizer.encode(PROMPT), target=tokenizer.encode(" ")[0])
     assert f"target next token '\u2423': log p = {result.logprob:.4f}" in out
     assert out_png.read_bytes()[:8] == PNG_SIGNATURE

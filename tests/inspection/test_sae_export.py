@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gptlab.checkpoint import load_run
 from gptlab.data.tokens import TokenData
+from gptlab.inference.loading import load
 from gptlab.sae.config import SAEConfig
 from gptlab.sae.data import held_out_windows, site_activations
 from gptlab.sae.export import CONFIG, WEIGHTS, Provenance, read_saelens, write_saelens
@@ -66,7 +66,7 @@ def test_saelens_loads_the_export_with_the_same_encodings(trained_run: Path, tmp
     theirs = sae_lens.SAE.load_from_disk(str(tmp_path))
     assert type(theirs).__name__ == "TopKSAE" and theirs.cfg.k == 4
     assert theirs.cfg.metadata.hook_name == site
-    model, _ = load_run(trained_run)
+    model = load(trained_run).model
     inputs, _ = held_out_windows(TokenData(trained_run.parent / "data").val, model.config.block_size)
     x = site_activations(model, site, inputs)  # (B, T, D): the same activations for both
     with torch.no_grad():

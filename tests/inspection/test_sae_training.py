@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from gptlab.checkpoint import load_run
 from gptlab.config import SettingError
+from gptlab.inference.loading import load
 from gptlab.inspection.hooks import hooked, record
 from gptlab.sae import training as sae_training
 from gptlab.sae.config import SAEConfig
@@ -40,7 +40,8 @@ def folder_bytes(folder: Path) -> dict[str, bytes]:
 def test_figures_match_hand_computations(trained_run: Path, tmp_path: Path) -> None:
     result = train_sae(trained_run, SMALL, tmp_path / "sae")
     assert (result.tokens, result.trained_now, result.config.width) == (2048, 2048, 64)
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     sae, provenance = read_saelens(tmp_path / "sae")
     text = sae_text(trained_run, json.loads((trained_run / "config.json").read_text()), tokenizer, None)
     inputs, targets = held_out_windows(text.val, model.config.block_size)
@@ -149,7 +150,7 @@ def test_the_page_shows_each_features_strongest_contexts(trained_run: Path, tmp_
     train_sae(trained_run, SMALL, tmp_path / "sae")
     data = page_data(tmp_path / "sae" / "features.html")
     sae, _ = read_saelens(tmp_path / "sae")
-    model, tokenizer = load_run(trained_run)
+    model = load(trained_run).model
     assert len(data["features"]) == 64 and data["site"] == SITE
     feature = max(data["features"], key=lambda f: f["frequency"])
     strongest = [c["acts"][c["at"]] for c in feature["contexts"]]

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from test_huggingface import needs_transformers, save_run
 
-from gptlab.checkpoint import load_run
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import stream_text
+from gptlab.inference.loading import load
 from gptlab.interop.huggingface import export_hf
 from gptlab.text.chat_template import NativeTemplate
 from gptlab.text.tokenizer import SymbolTokenizer, Tokenizer, tokenizer_from_dict, train_tokenizer
@@ -85,7 +85,8 @@ def test_greedy_text_from_the_exported_folder_is_gptlabs(kind: str, tmp_path: Pa
     from transformers import AutoModelForCausalLM
 
     _, folder = exported(kind, tmp_path)
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     sampling = SamplingConfig(temperature=0, max_new_tokens=NEW_TOKENS)
     ours = PROMPT + "".join(chunk.text for chunk in stream_text(model, tokenizer, PROMPT, sampling))
     hf, hf_model = auto_tokenizer(folder), AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, load_run, model_tensors, save_checkpoint
+from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.files import RunLock
@@ -33,6 +33,8 @@ needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
     reason="transformers is not installed: pip install -e '.[hf]' (make test installs it)",
 )
+from gptlab.inference.loading import load  # noqa: E402
+
 TEXT = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8") * 2
 PROMPT = 5
 STEPS = 50
@@ -218,7 +220,8 @@ def test_import_from_transformers_behaves_the_same(
         torch.save(hf.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
     write_tokenizer_json(tmp_path / "hf", bpe)
     result = huggingface.import_hf(tmp_path / "hf", tmp_path / "run")
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     assert tokenizer.to_dict() == bpe.to_dict()
     assert result.notes == [f"tokenizer from tokenizer.json: {bpe.vocab_size} ids (bpe kind)"]
     assert_same_behaviour(model, hf, values["vocab_size"])
@@ -242,7 +245,7 @@ def test_original_gpt2_layout_imports_skipping_only_the_mask_buffers(
     write_tokenizer_json(tmp_path / "hf", bpe)
     result = huggingface.import_hf(tmp_path / "hf", tmp_path / "run")
     assert "skipped 6 causal-mask buffers" in result.notes[1]
-    assert_same_behaviour(load_run(tmp_path / "run")[0], hf, 300)
+    assert_same_behaviour(load(tmp_path / "run").model, hf, 300)
 
 
 @needs_transformers
@@ -256,7 +259,7 @@ def test_vocab_and_merges_files_give_the_same_ids_as_transformers(tmp_path: Path
     (tmp_path / "hf" / "merges.txt").write_text("#version: 0.2\n" + merges, encoding="utf-8")
     result = huggingface.import_hf(tmp_path / "hf", tmp_path / "run")
     assert result.notes[0] == "tokenizer from vocab.json and merges.txt: 300 ids (bpe kind)"
-    tokenizer = load_run(tmp_path / "run")[1]
+    tokenizer = load(tmp_path / "run").tokenizer
     reference = GPT2Tokenizer.from_pretrained(tmp_path / "hf")
     text = TEXT[:3000] + f"{EOT}tail"
     assert tokenizer.encode(text) == reference.encode(text) == bpe.encode(text)
@@ -338,7 +341,7 @@ def test_erf_gelu_without_biases_comes_back_with_zero_biases(tmp_path: Path, bpe
     assert len(biases) == 6 * config.n_layer + 1 and all(not t.any() for t in biases)
     ids = torch.randint(0, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert_close(load_run(tmp_path / "back")[0](ids)[0], model(ids)[0], atol=1e-5, rtol=0)
+        assert_close(load(tmp_path / "back").model(ids)[0], model(ids)[0], atol=1e-5, rtol=0)
 
 
 @needs_transformers

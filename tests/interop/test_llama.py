@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, load_run, model_tensors, save_checkpoint
+from gptlab.checkpoint import BEST, Checkpoint, load_checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, SamplingConfig
 from gptlab.generate import generate, text_chunks
@@ -27,6 +27,8 @@ pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
     reason="transformers is not installed: pip install -e '.[hf]' (make test installs it)",
 )
+from gptlab.inference.loading import load  # noqa: E402
+
 PROMPT, STEPS = 5, 50
 # (family, heads, key/value heads, tied, vocabulary): every ratio, 1 included, both head kinds.
 CASES = [
@@ -104,7 +106,8 @@ def test_folder_import_tokenizer_and_generation_end(tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path / "hf")
     tokenizer_folder(tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     text = "Train a GPT on Shakespeare, then  héllo!\n"
     assert tokenizer.encode(text) == AutoTokenizer.from_pretrained(tmp_path / "hf").encode(text)
     assert tokenizer.encode(text)[0] == 1 and tokenizer.eot_id == 2
@@ -233,7 +236,8 @@ def test_sharded_import_keeps_every_eos_id_and_the_generation_defaults(
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     assert len(list((tmp_path / "hf").glob("model-*.safetensors"))) > 2
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     ids = torch.tensor([tokenizer.encode("Train a GPT on Shakespeare, then sample it.")])
     # Two float32 implementations: logits near 2 round apart by up to ~1e-5 on AVX-512 and 1.2e-5 on AVX2
     # (a wrong name map is off by whole units).

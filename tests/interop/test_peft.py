@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from gptlab.checkpoint import BEST, Checkpoint, load_run, model_tensors, save_checkpoint
+from gptlab.checkpoint import BEST, Checkpoint, model_tensors, save_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.text.tokenizer import CharTokenizer
 
@@ -63,8 +64,8 @@ def test_peft_on_the_exported_base_gives_the_adapted_logits(family: str, tmp_pat
                   if not p.name.startswith(".")) == ["adapter_config.json", "adapter_model.safetensors"]
     assert main(["export-hf", str(tmp_path / "base"), str(tmp_path / "base_hf")]) == 0
 
-    ours, _ = load_run(run)
-    plain, _ = load_run(tmp_path / "base")
+    ours = load(run).model
+    plain = load(tmp_path / "base").model
     x = torch.randint(TOKENIZER.vocab_size, (3, 8), generator=torch.Generator().manual_seed(1))  # (B, T)
     with torch.no_grad():
         adapted, base = ours(x)[0], plain(x)[0]

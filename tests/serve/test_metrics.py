@@ -25,15 +25,15 @@ from test_batching import model as model  # noqa: E402, F401  (the tiny random m
 from test_chat_cli import build_chat_run  # noqa: E402
 from test_serve import start_server  # noqa: E402
 
-from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.cli import main  # noqa: E402
 from gptlab.config import SamplingConfig  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
+from gptlab.inference.loading import load  # noqa: E402
 from gptlab.kv_cache import kv_cache_bytes  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.batching import Scheduler  # noqa: E402
 from gptlab.serve.prometheus import Metrics  # noqa: E402
-from gptlab.text.chat_template import NativeTemplate  # noqa: E402
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 ASKED = [{"role": "user", "content": "the cat"}]
@@ -106,8 +106,9 @@ def streamed_usage(url: str, body: dict[str, Any]) -> dict[str, int]:
 
 
 def test_counters_move_by_what_the_server_served(chat_run: Path) -> None:
-    model, tokenizer = load_run(chat_run)
-    with serving(create_app(model, tokenizer, "chat", max_batch=4, template=NativeTemplate())) as url:
+    lm = load(chat_run)
+    model, tokenizer = lm.model, lm.tokenizer
+    with serving(create_app(LM.from_model(model, tokenizer), "chat", max_batch=4)) as url:
         before = scrape(url)
         whole = httpx.post(f"{url}/v1/completions", json={"prompt": "the cat", "max_tokens": 7,
                                                           "temperature": 0}, timeout=30).json()["usage"]
@@ -144,8 +145,9 @@ def test_counters_move_by_what_the_server_served(chat_run: Path) -> None:
 
 
 def test_the_api_key_guards_metrics(chat_run: Path) -> None:
-    model, tokenizer = load_run(chat_run)
-    with serving(create_app(model, tokenizer, "chat", max_batch=1, api_key="s3cret")) as url:
+    lm = load(chat_run)
+    model, tokenizer = lm.model, lm.tokenizer
+    with serving(create_app(LM.from_model(model, tokenizer), "chat", max_batch=1, api_key="s3cret")) as url:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             reply = httpx.get(f"{url}/metrics", headers=headers)
             assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"

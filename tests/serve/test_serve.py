@@ -26,9 +26,11 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
 
-from gptlab.checkpoint import load_checkpoint, load_run, save_checkpoint  # noqa: E402
+from gptlab.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from gptlab.config import SamplingConfig  # noqa: E402
 from gptlab.generate import stream_text  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
+from gptlab.inference.loading import load  # noqa: E402
 from gptlab.inspection.attention_view import attention_maps  # noqa: E402
 from gptlab.serve.app import MAX_BODY, create_app  # noqa: E402
 from gptlab.serve.completion import Served  # noqa: E402
@@ -59,8 +61,9 @@ def start_server(app: Any) -> tuple[str, uvicorn.Server, threading.Thread]:
 
 @pytest.fixture(scope="module")
 def live(trained_run: Path) -> Iterator[Live]:
-    model, tokenizer = load_run(trained_run)
-    app = create_app(model, tokenizer, NAME, max_batch=8, limits=Limits(max_tokens=MAX_TOKENS))
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
+    app = create_app(LM.from_model(model, tokenizer), NAME, max_batch=8, limits=Limits(max_tokens=MAX_TOKENS))
     url, server, thread = start_server(app)
     yield Live(url, app.state.served)
     server.should_exit = True
@@ -267,8 +270,9 @@ def test_a_client_that_goes_away_frees_its_slot_at_once(live: Live) -> None:
 @pytest.mark.slow  # starts a server
 def test_api_key_is_required_when_given(trained_run: Path) -> None:
     openai = pytest.importorskip("openai")
-    model, tokenizer = load_run(trained_run)
-    app = create_app(model, tokenizer, NAME, api_key="s3cret")
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
+    app = create_app(LM.from_model(model, tokenizer), NAME, api_key="s3cret")
     url, server, thread = start_server(app)
     try:
         body = {"prompt": "a", "max_tokens": 2}
@@ -344,7 +348,8 @@ def test_the_serve_command_applies_a_runs_generation_defaults(trained_run: Path,
     finally:
         process.kill()
         process.wait()
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     greedy = "".join(c.text for c in stream_text(model, tokenizer, "the cat",
                                                  SamplingConfig(temperature=0.0, max_new_tokens=12)))
     assert texts == [greedy, greedy]
@@ -367,7 +372,7 @@ def test_a_run_is_served_from_python_as_the_command_serves_it(trained_run: Path,
     assert served.name == state.name == "greedy-run" and state.limits is limits
     assert (served.plan.max_batch, served.plan.chosen, state.scheduler.max_batch) == (4, False, 4)
     assert state.defaults == {"temperature": 0.0}
-    reference, _ = load_run(run)
+    reference = load(run).model
     for (name, ours), (_, theirs) in zip(state.model.named_parameters(), reference.named_parameters(),
                                          strict=True):
         assert ours.dtype == torch.bfloat16 and torch.equal(ours, theirs.to(torch.bfloat16)), name

@@ -18,9 +18,10 @@ pytest.importorskip("fastapi")
 from test_chat_cli import END, build_chat_run  # noqa: E402
 from test_serve import Live, start_server  # noqa: E402
 
-from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import SamplingConfig  # noqa: E402
 from gptlab.generate import stream_text  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
+from gptlab.inference.loading import load  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.text.chat_template import NativeTemplate  # noqa: E402
 
@@ -29,8 +30,9 @@ ASKED = [{"role": "system", "content": "be brief"}, {"role": "user", "content": 
 
 @pytest.fixture(scope="module")
 def chat_live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
-    model, tokenizer = load_run(build_chat_run(tmp_path_factory.mktemp("chat")))
-    app = create_app(model, tokenizer, "chat", max_batch=4, template=NativeTemplate())
+    lm = load(build_chat_run(tmp_path_factory.mktemp("chat")))
+    model, tokenizer = lm.model, lm.tokenizer
+    app = create_app(LM.from_model(model, tokenizer), "chat", max_batch=4)
     url, server, thread = start_server(app)
     yield Live(url, app.state.served)
     server.should_exit = True
@@ -123,8 +125,10 @@ def test_bad_requests_are_400s_naming_the_field(chat_live: Live) -> None:
 def test_a_model_without_the_template_tokens_refuses_chat(trained_run: Path) -> None:
     from fastapi.testclient import TestClient
 
-    model, tokenizer = load_run(trained_run)
-    with TestClient(create_app(model, tokenizer, "char", allowed_hosts=None)) as http:
+    lm = load(trained_run)
+
+    model, tokenizer = lm.model, lm.tokenizer
+    with TestClient(create_app(LM.from_model(model, tokenizer), "char", allowed_hosts=None)) as http:
         reply = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "the"}]})
         assert reply.status_code == 400 and "not fine-tuned for chat" in reply.json()["error"]["message"]
         assert http.post("/v1/completions", json={"prompt": "the", "max_tokens": 2}).status_code == 200

@@ -16,9 +16,10 @@ from test_serve import NAME, Live, alone, start_server  # noqa: E402
 from test_serve import live as live  # noqa: E402, F401  (the module's server fixture)
 
 import gptlab.serve.app as app_module  # noqa: E402
-from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.cli import main  # noqa: E402
 from gptlab.config import SamplingConfig  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
+from gptlab.inference.loading import load  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.guard import (  # noqa: E402
     LOOPBACK_NAMES,
@@ -77,10 +78,12 @@ def test_which_hosts_each_address_answers_to() -> None:
 
 
 def test_allowed_hosts_override_and_none_accepts_any(trained_run: Path) -> None:
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     cases = (({"box.lan"}, "localhost", "box.lan:80"), (None, None, "evil.example"))
     for allowed, refused, accepted in cases:
-        url, server, thread = start_server(create_app(model, tokenizer, NAME, allowed_hosts=allowed))
+        app = create_app(LM.from_model(model, tokenizer), NAME, allowed_hosts=allowed)
+        url, server, thread = start_server(app)
         try:
             assert httpx.get(f"{url}/v1/models", headers={"Host": accepted}).status_code == 200
             if refused:
@@ -138,10 +141,11 @@ def test_an_internal_error_is_a_generic_500_with_a_logged_request_id(
 
 
 def test_sampling_defaults_fill_only_the_fields_a_request_leaves_out(trained_run: Path) -> None:
-    model, tokenizer = load_run(trained_run)
-    with pytest.raises(ValueError, match="presence_penalty"):
-        create_app(model, tokenizer, NAME, defaults={"presence_penalty": 1.0})
-    app = create_app(model, tokenizer, NAME, defaults={"temperature": 0.0, "top_k": 3})
+    lm = load(trained_run)
+    # A run's defaults as an imported generation_config.json gives them: max_new_tokens is not a request
+    # field's default (max_tokens stays OpenAI's), the sampling fields are.
+    lm.defaults = {"temperature": 0.0, "top_k": 3, "max_new_tokens": 2}
+    app = create_app(lm, NAME)
     url, server, thread = start_server(app)
     served = Live(url, app.state.served)
     try:

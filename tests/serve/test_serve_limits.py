@@ -18,8 +18,9 @@ pytest.importorskip("fastapi")
 
 from test_serve import MAX_TOKENS, NAME, Live, start_server, wait_for  # noqa: E402
 
-from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import ModelConfig  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
+from gptlab.inference.loading import load  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.schemas import Limits  # noqa: E402
 from gptlab.serve.sizing import HEADROOM, plan_memory  # noqa: E402
@@ -30,8 +31,9 @@ LONG = {"prompt": "the cat", "max_tokens": MAX_TOKENS, "temperature": 1.0}
 @pytest.fixture(scope="module")
 def one_row(trained_run: Path) -> Iterator[Live]:
     """A server of one row and one waiting row: a second request waits, a third is refused."""
-    model, tokenizer = load_run(trained_run)
-    app = create_app(model, tokenizer, NAME, max_batch=1,
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
+    app = create_app(LM.from_model(model, tokenizer), NAME, max_batch=1,
                      limits=Limits(max_tokens=MAX_TOKENS, max_waiting=1, prefill_chunk=5))
     url, server, thread = start_server(app)
     yield Live(url, app.state.served)
@@ -95,10 +97,11 @@ def test_the_deadline_ends_running_rows_and_refuses_queued_ones(one_row: Live) -
 
 
 def test_max_context_bounds_prompt_and_max_tokens(trained_run: Path) -> None:
-    model, tokenizer = load_run(trained_run)
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
     with pytest.raises(ValueError, match="more than the model's context window"):
-        create_app(model, tokenizer, NAME, limits=Limits(max_context=25))
-    app = create_app(model, tokenizer, NAME, limits=Limits(max_context=16))
+        create_app(LM.from_model(model, tokenizer), NAME, limits=Limits(max_context=25))
+    app = create_app(LM.from_model(model, tokenizer), NAME, limits=Limits(max_context=16))
     assert app.state.served.scheduler.max_context == 16
     url, server, thread = start_server(app)
     try:

@@ -18,6 +18,7 @@ pytest.importorskip("fastapi")
 from test_serve import Live, start_server  # noqa: E402
 
 from gptlab.config import ModelConfig  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.text.tokenizer import ByteTokenizer  # noqa: E402
@@ -33,7 +34,7 @@ def byte_live() -> Iterator[Live]:
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.5)  # far from uniform, so every position's distribution differs
-    app = create_app(model, ByteTokenizer(), NAME, max_batch=4)
+    app = create_app(LM.from_model(model, ByteTokenizer()), NAME, max_batch=4)
     url, server, thread = start_server(app)
     yield Live(url, app.state.served)
     server.should_exit = True

@@ -25,8 +25,9 @@ httpx = pytest.importorskip("httpx")
 from test_serve import Live, alone, start_server  # noqa: E402
 from test_serve_tokens import THE, successor_model  # noqa: E402
 
-from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import ModelConfig, SamplingConfig  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
+from gptlab.inference.loading import load  # noqa: E402
 from gptlab.inspection.attention_view import attention_maps  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.page import playground  # noqa: E402
@@ -41,8 +42,9 @@ HOSTILE = 'a </script><script>document.title="owned"</script><!-- \'q\' & "q" </
 
 @pytest.fixture
 def live(trained_run: Path) -> Iterator[tuple[str, object]]:
-    model, tokenizer = load_run(trained_run)
-    app = create_app(model, tokenizer, "tiny")
+    lm = load(trained_run)
+    model, tokenizer = lm.model, lm.tokenizer
+    app = create_app(LM.from_model(model, tokenizer), "tiny")
     url, server, thread = start_server(app)
     yield url, app.state.served
     server.should_exit = True
@@ -171,7 +173,7 @@ def test_playground_streams_tokens_and_shows_alternatives_and_attention(live: tu
 @pytest.mark.slow  # starts a headless Chromium
 def test_playground_joins_the_pieces_of_a_character(browser: Chromium) -> None:
     model, tokenizer = successor_model(THE)  # a byte model that answers "é>" with "thé."
-    app = create_app(model, tokenizer, "bytes")
+    app = create_app(LM.from_model(model, tokenizer), "bytes")
     url, server, thread = start_server(app)
     try:
         browser.open(url + "/")
@@ -210,7 +212,7 @@ def test_playground_with_a_key_and_a_name_full_of_markup(browser: Chromium) -> N
     """A server that needs a key shows the key field; the page sends the key typed there; a model's name
     holding </script> is shown as text and runs nothing."""
     model, tokenizer = successor_model(THE)
-    url, server, thread = start_server(create_app(model, tokenizer, HOSTILE, api_key="s3cret"))
+    url, server, thread = start_server(create_app(LM.from_model(model, tokenizer), HOSTILE, api_key="s3cret"))
     try:
         browser.open(url + "/")
         assert browser.js("document.title") == "gptlab playground: " + HOSTILE
@@ -241,8 +243,10 @@ def test_playground_chat_mode_shows_the_reply_and_its_probabilities(tmp_path: Pa
 
     from gptlab.text.chat_template import NativeTemplate
 
-    model, tokenizer = load_run(build_chat_run(tmp_path / "chat"))
-    url, server, thread = start_server(create_app(model, tokenizer, "chat", template=NativeTemplate()))
+    lm = load(build_chat_run(tmp_path / "chat"))
+
+    model, tokenizer = lm.model, lm.tokenizer
+    url, server, thread = start_server(create_app(LM.from_model(model, tokenizer), "chat"))
     try:
         browser.open(url + "/")
         click(browser, "#mode-chat")

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gptlab.config import ModelConfig
+from gptlab.inference.lm import LM
 from gptlab.model import GPT
 from gptlab.text.tokenizer import (
     ByteTokenizer,
@@ -114,7 +115,7 @@ def served_bytes() -> Iterator[str]:
     from gptlab.serve.app import create_app
 
     model, tokenizer = successor_model(THE)
-    url, server, thread = start_server(create_app(model, tokenizer, "bytes"))
+    url, server, thread = start_server(create_app(LM.from_model(model, tokenizer), "bytes"))
     yield url
     server.should_exit = True
     thread.join(timeout=10)

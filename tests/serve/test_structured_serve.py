@@ -35,9 +35,10 @@ from test_chat_cli import build_chat_run  # noqa: E402
 from test_serve import Live, start_server  # noqa: E402
 from test_structured import PERSON, random_schema  # noqa: E402
 
-from gptlab.checkpoint import load_run  # noqa: E402
 from gptlab.config import ModelConfig, SamplingConfig  # noqa: E402
 from gptlab.generate import generate  # noqa: E402
+from gptlab.inference.lm import LM  # noqa: E402
+from gptlab.inference.loading import load  # noqa: E402
 from gptlab.model import GPT  # noqa: E402
 from gptlab.sampling import sampler  # noqa: E402
 from gptlab.serve.app import create_app  # noqa: E402
@@ -46,7 +47,6 @@ from gptlab.serve.completion import token_text  # noqa: E402
 from gptlab.serve.schemas import Limits  # noqa: E402
 from gptlab.speculative import SpeculationConfig  # noqa: E402
 from gptlab.structured.grammar import json_schema_grammar, regex_grammar  # noqa: E402
-from gptlab.text.chat_template import NativeTemplate  # noqa: E402
 from gptlab.text.tokenizer import CharTokenizer, Tokenizer  # noqa: E402
 
 ASKED = [{"role": "user", "content": "the cat"}]
@@ -71,14 +71,15 @@ class Owner(BaseModel):
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[GPT, Tokenizer]:
-    return load_run(build_chat_run(tmp_path_factory.mktemp("structured")))
+    lm = load(build_chat_run(tmp_path_factory.mktemp("structured")))
+    return lm.model, lm.tokenizer
 
 
 @pytest.fixture(scope="module", params=[None, SpeculationConfig()], ids=["plain", "speculative"])
 def live(chat_model: tuple[GPT, Tokenizer], request: pytest.FixtureRequest) -> Iterator[Live]:
     model, tokenizer = chat_model
-    app = create_app(model, tokenizer, "chat", max_batch=8, limits=Limits(max_tokens=512),
-                     template=NativeTemplate(), speculation=request.param)
+    app = create_app(LM.from_model(model, tokenizer), "chat", max_batch=8, limits=Limits(max_tokens=512),
+                     speculation=request.param)
     url, server, thread = start_server(app)
     yield Live(url, app.state.served)
     server.should_exit = True
@@ -167,7 +168,7 @@ def test_a_char_model_names_the_characters_it_lacks_and_writes_what_it_can(
     torch.manual_seed(0)
     chars = CharTokenizer("abcdefgh ys")
     model = GPT(ModelConfig(vocab_size=chars.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=8)).eval()
-    url, server, thread = start_server(create_app(model, chars, "chars", max_batch=2))
+    url, server, thread = start_server(create_app(LM.from_model(model, chars), "chars", max_batch=2))
     try:
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": "a", "response_format": {
             "type": "json_object"}}).json()["error"]

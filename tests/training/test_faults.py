@@ -25,11 +25,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import assert_identical_runs
-from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run
+from gptlab.checkpoint import BEST, LAST, load_checkpoint
 from gptlab.cli import main
 from gptlab.config import ModelConfig, TrainConfig
 from gptlab.data.prepare import prepare
 from gptlab.files import RunLock, atomic_write_text
+from gptlab.inference.loading import load
 from gptlab.training.loop import StepResult, Trainer, train
 from gptlab.training.optim import learning_rate
 from gptlab.training.resume import resume
@@ -327,7 +328,7 @@ def test_a_damaged_checkpoint_is_one_line(data_dir: Path, tmp_path: Path, damage
     train(run, data_dir, MODEL, TRAIN, stop_at=3, progress=False)
     rewrite(run / BEST, **damage)
     with pytest.raises(ValueError, match=message):
-        load_run(run)
+        load(run)
     one_line_error(capsys, ["sample", str(run), "--max-new-tokens", "3"], str(run / BEST), message)
 
 

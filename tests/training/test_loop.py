@@ -17,10 +17,11 @@ import torch
 from torch.testing import assert_close
 
 from conftest import SAT_LINES, assert_identical_runs
-from gptlab.checkpoint import BEST, LAST, load_checkpoint, load_run, save_checkpoint
+from gptlab.checkpoint import BEST, LAST, load_checkpoint, save_checkpoint
 from gptlab.config import ModelConfig, SamplingConfig, TrainConfig
 from gptlab.data.prepare import prepare
 from gptlab.generate import generate
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.training.loop import TrainingDiverged, train
 from gptlab.training.optim import (
@@ -134,13 +135,14 @@ def test_muon_groups_follow_the_schedule_at_their_own_peak() -> None:
 @pytest.mark.slow  # starts a Python process
 def test_checkpoint_gives_the_same_logits_in_a_fresh_process(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=10), progress=False)
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     idx = torch.tensor([tokenizer.encode("the cat sat on")])
     expected = model(idx)[0]
     script = textwrap.dedent(f"""
         import sys, torch
-        from gptlab.checkpoint import load_run
-        model, tokenizer = load_run({str(tmp_path / "run")!r})
+        lm = load({str(tmp_path / "run")!r})
+        model, tokenizer = lm.model, lm.tokenizer
         logits = model(torch.tensor([tokenizer.encode("the cat sat on")]))[0]
         torch.save(logits, sys.argv[1])
     """)
@@ -156,7 +158,7 @@ def test_checkpoint_holds_no_pickle_and_ties_stay_tied(data_dir: Path, tmp_path:
         header = json.loads(f.read(header_size))
     assert header["__metadata__"]["format"] == "gptlab-checkpoint-1"
     assert "model.lm_head.weight" not in header  # tied: stored once, as the embedding
-    model, _ = load_run(tmp_path / "run")
+    model = load(tmp_path / "run").model
     assert model.lm_head.weight is model.transformer.wte.weight
 
 
@@ -230,7 +232,8 @@ def test_best_checkpoint_has_the_lowest_validation_loss(data_dir: Path, tmp_path
 @pytest.mark.slow
 def test_same_seed_gives_the_same_samples(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=10), progress=False)
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     prompt = torch.tensor([tokenizer.encode("the ")])
 
     def sample(seed: int) -> list[int]:
@@ -244,7 +247,8 @@ def test_same_seed_gives_the_same_samples(data_dir: Path, tmp_path: Path) -> Non
 
 def test_generation_crops_long_prompts_to_the_window(data_dir: Path, tmp_path: Path) -> None:
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=2), progress=False)
-    model, tokenizer = load_run(tmp_path / "run")
+    lm = load(tmp_path / "run")
+    model, tokenizer = lm.model, lm.tokenizer
     long_prompt = torch.tensor([tokenizer.encode("the cat sat on the mat. " * 3)])  # 72 > block_size 16
     greedy = [int(t) for t in generate(model, long_prompt, SamplingConfig(temperature=0, max_new_tokens=3))]
     expected = model(long_prompt[:, -16:])[0][0, -1].argmax().item()
@@ -308,7 +312,7 @@ def test_eval_scores_every_token_once(data_dir: Path, tmp_path: Path) -> None:
     from gptlab.evaluation.heldout import evaluate_tokens
 
     train(tmp_path / "run", data_dir, MODEL, TRAIN.replace(max_steps=5), progress=False)
-    model, _ = load_run(tmp_path / "run")
+    model = load(tmp_path / "run").model
     tokens = TokenData(data_dir).val[:161]  # 10 windows of 16 and one spare token
     result = evaluate_tokens(model, tokens, batch_size=3)
     x = torch.from_numpy(tokens.astype("int64"))

@@ -18,8 +18,7 @@ FORCE = "replace --out even if gptlab did not write it (its own earlier picture 
 
 def load_pairs(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
     """The model, tokenizer and pairs of `args`: --pairs FILE.jsonl, or --clean/--corrupt/--target/--foil."""
-    from gptlab.checkpoint import load_run
-    from gptlab.common import resolve_device
+    from gptlab.inference.loading import load
     from gptlab.inspection.attribution import read_pairs, text_pair
 
     given = [name for name in ("clean", "corrupt", "target", "foil") if getattr(args, name) is not None]
@@ -34,7 +33,8 @@ def load_pairs(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
         if Path(args.out).suffix.lower() != ".png":
             raise ValueError(f"--out {args.out} must end in .png: the graph is drawn as a PNG picture")
         check_out(Path(args.out), args.force)
-    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    lm = load(args.run, device=args.device)
+    model, tokenizer = lm.model, lm.tokenizer
     if args.pairs is not None:
         return model, tokenizer, read_pairs(model, tokenizer, args.pairs)
     return model, tokenizer, [text_pair(model, tokenizer, args.clean, args.corrupt, args.target, args.foil)]

@@ -1,9 +1,8 @@
 """The chat command: talk to a run through its chat template, interactively or one scripted turn at a time.
 
-Each turn renders the whole conversation with the run's template (`adapt.chat.template_from_state`),
-the assistant's turn opened, and encodes it as the server's /v1/chat/completions does (no BOS added:
-the template writes its markers); the reply ends at the end of the turn (the native template's
-`<|end|>`, or one of the tokenizer's stop ids), so `gptlab chat` and the server give the same answer.
+The conversation is the library's (`gptlab.inference.conversation`): each turn renders it with the
+run's template and encodes it as the server's /v1/chat/completions does, so `gptlab chat`, `LM.chat`
+and the server give the same answer.
 """
 
 from __future__ import annotations
@@ -12,80 +11,28 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.common import add_config_arguments, add_device_option, add_weight_options, config_overrides
-from gptlab.cli.sample import SAMPLE_DEFAULTS
-from gptlab.config import SamplingConfig
+from gptlab.config import SAMPLE_DEFAULTS, SamplingConfig
 
 if TYPE_CHECKING:  # torch is imported when a command runs, not when the parser is built
-    from gptlab.generate import Chunk
-    from gptlab.model import GPT
-    from gptlab.text.chat_template import ChatTemplate
-    from gptlab.text.tokenizer import Tokenizer
+    from gptlab.inference.conversation import Conversation
 
 COMMANDS = "/reset starts a new conversation, /exit (or Ctrl-D) ends"
 
 
-class Conversation:
-    """A conversation with a model: the messages so far, and each reply streamed as `generate` chunks."""
-
-    def __init__(self, model: GPT, tokenizer: Tokenizer, template: ChatTemplate, sampling: SamplingConfig,
-                 system: str | None = None) -> None:
-        from gptlab.sampling import sampler
-        from gptlab.text.chat_template import missing_tokens
-
-        missing = missing_tokens(tokenizer, template)
-        if missing:
-            raise ValueError(f"this run's tokenizer has no single ids for {', '.join(missing)}, the markers "
-                             "of its chat template: it was not fine-tuned for chat (gptlab finetune with "
-                             '{"messages"} examples adds them); gptlab sample continues plain text')
-        self.model, self.tokenizer, self.template, self.system = model, tokenizer, template, system
-        ends = template.end_of_turn  # a stop string, as the server adds it
-        self.sampling = sampling.replace(stop=(*sampling.stop, *ends))
-        # One random stream for the whole conversation, as `gptlab sample` has one for all its samples.
-        self.generator = sampler(sampling, next(model.parameters()).device)
-        self.messages: list[dict[str, str]] = []
-        self.reset()
-
-    def reset(self) -> None:
-        self.messages = [] if self.system is None else [{"role": "system", "content": self.system}]
-
-    def reply(self, message: str) -> Iterator[Chunk]:
-        """Stream the reply to a user message; the conversation keeps both once the reply has ended
-        (a reply cut short, by Ctrl-C or an error, leaves the conversation as it was)."""
-        from gptlab.generate import generate, text_chunks
-
-        asked = [*self.messages, {"role": "user", "content": message}]
-        text = self.template.render(asked, add_generation_prompt=True)
-        ids = self.tokenizer.encode_array(text).tolist()
-        window = self.model.config.block_size
-        if len(ids) > window:
-            raise ValueError(f"the conversation is {len(ids)} tokens, more than the model's context of "
-                             f"{window}: /reset to start a new one, or send a shorter message")
-        tokens = generate(self.model, [ids], self.sampling, generator=self.generator,
-                          eot_id=self.tokenizer.stop_ids, vocab_size=self.tokenizer.vocab_size)
-        said = ""
-        for chunk in text_chunks(tokens, self.tokenizer, self.sampling.stop):
-            said += chunk.text
-            yield chunk
-        self.messages = [*asked, {"role": "assistant", "content": said}]
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
     """Load the run and its template; answer each --message, or talk until /exit, Ctrl-D or Ctrl-C."""
-    from gptlab.checkpoint import generation_defaults, load_for_inference, load_header
-    from gptlab.common import resolve_device
-    from gptlab.text.chat_template import template_from_state
+    from gptlab.inference.conversation import Conversation
+    from gptlab.inference.loading import load
 
     if args.json and not args.message:
         raise ValueError("--json prints one object per --message turn: give --message")
-    sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **generation_defaults(args.run),
-                                         **config_overrides(args, SamplingConfig)})
-    template = template_from_state(load_header(args.run).state)
-    model, tokenizer = load_for_inference(args.run, resolve_device(args.device), args.dtype, args.quantize)
-    conversation = Conversation(model, tokenizer, template, sampling, args.system)
+    overrides = config_overrides(args, SamplingConfig)
+    SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **overrides})  # a bad option is refused before loading
+    lm = load(args.run, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    conversation = Conversation(lm, lm.sampling(**overrides), args.system)
     if args.message:
         for turn, message in enumerate(args.message, 1):
             answer(conversation, message, turn if args.json else None)

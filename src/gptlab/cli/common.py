@@ -11,9 +11,12 @@ import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gptlab.config import DTYPES, QUANTIZATIONS, Config
+
+if TYPE_CHECKING:  # torch-free, but only needed when a command runs
+    from gptlab.speculative import SpeculationConfig
 
 # The command-line option of each library argument a SettingError names (config fields need no entry),
 # for the CLI's one error line (`SettingError.as_flags`).
@@ -205,3 +208,20 @@ def check_out(out: Path, force: bool) -> None:
 
     if out.exists() and not force and not written_by_gptlab(out):
         raise ValueError(f"--out {out} exists and was not written by gptlab: pass --force to replace it")
+
+
+def speculation_of(args: argparse.Namespace) -> SpeculationConfig | None:
+    """The SpeculationConfig --speculative, --draft-tokens and --ngram describe, or None without
+    --speculative (a bad value's error names its flag)."""
+    from gptlab.speculative import SpeculationConfig
+
+    given = {name: value for name in ("draft_tokens", "ngram") if (value := getattr(args, name)) is not None}
+    if args.speculative is None:
+        if given:
+            raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --speculative ngram")
+        return None
+    try:
+        return SpeculationConfig(**given)
+    except ValueError as err:
+        raise ValueError(str(err).replace("SpeculationConfig.draft_tokens", "--draft-tokens")
+                         .replace("SpeculationConfig.ngram", "--ngram")) from None

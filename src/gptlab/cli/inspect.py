@@ -13,22 +13,24 @@ from gptlab.config import DETECTORS, DTYPES
 
 def load_prompt(args: argparse.Namespace) -> tuple[Any, Any, list[int]]:
     """The model and tokenizer of `args.run` on `args.device`, and the token ids of `args.prompt`."""
-    from gptlab.checkpoint import load_run
-    from gptlab.common import resolve_device
+    from gptlab.inference.loading import load
     from gptlab.inspection.tokens import encode_prompt
 
-    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    lm = load(args.run, device=args.device)
+
+    model, tokenizer = lm.model, lm.tokenizer
     return model, tokenizer, encode_prompt(tokenizer, args.prompt, model.config.block_size)
 
 
 def load_prompt_end(args: argparse.Namespace) -> tuple[Any, Any, list[int], str]:
     """As load_prompt, for a command that names no position: the ids of the last block_size tokens of a
     longer `args.prompt` (after a note saying so) and their text."""
-    from gptlab.checkpoint import load_run
-    from gptlab.common import resolve_device
+    from gptlab.inference.loading import load
     from gptlab.inspection.tokens import prompt_window
 
-    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    lm = load(args.run, device=args.device)
+
+    model, tokenizer = lm.model, lm.tokenizer
     ids, left_out = prompt_window(tokenizer, args.prompt, model.config.block_size)
     if not left_out:
         return model, tokenizer, ids, args.prompt
@@ -59,8 +61,8 @@ def cmd_attention(args: argparse.Namespace) -> int:
 
 def draw_cross_attention(args: argparse.Namespace, out: Path) -> int:
     """A seq2seq run: draw where each answer token looked in the source (--prompt is the source)."""
-    from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
+    from gptlab.inference.loading import load_seq2seq
     from gptlab.inspection.cross_attention import cross_attention_maps, save_cross_attention_png
 
     if out.suffix.lower() != ".png":
@@ -196,15 +198,15 @@ def cmd_lens(args: argparse.Namespace) -> int:
 
 def cmd_patch(args: argparse.Namespace) -> int:
     """Patch clean values into a corrupted run; print and draw how much of the difference each restores."""
-    from gptlab.checkpoint import load_run
-    from gptlab.common import resolve_device
+    from gptlab.inference.loading import load
     from gptlab.inspection.patching import check_same_length, patch_activations, save_patching_png
     from gptlab.inspection.tokens import encode_prompt, encode_token, token_label, token_labels
 
     if Path(args.out).suffix.lower() != ".png":
         raise ValueError(f"--out {args.out} must end in .png: the heatmaps are written as a PNG picture")
     check_out(Path(args.out), args.force)
-    model, tokenizer = load_run(args.run, resolve_device(args.device))
+    lm = load(args.run, device=args.device)
+    model, tokenizer = lm.model, lm.tokenizer
     block = model.config.block_size
     clean = encode_prompt(tokenizer, args.clean, block, "--clean")
     corrupt = encode_prompt(tokenizer, args.corrupt, block, "--corrupt")
@@ -235,8 +237,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
     """Score every head with the detectors (table, heatmap, --json), or plot --history of a tracked run."""
     import json
 
-    from gptlab.checkpoint import load_run
-    from gptlab.common import resolve_device
+    from gptlab.inference.loading import load
     from gptlab.inspection.attention_view import check_index
     from gptlab.inspection.detectors import repeat_ablation, save_scores_png, score_heads
 
@@ -249,7 +250,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
             raise ValueError("--history plots the scores saved during training: it takes no --json or "
                              "--ablate")
         return draw_history(args)
-    model, _ = load_run(args.run, resolve_device(args.device))
+    model = load(args.run, device=args.device).model
     layers = check_index(args.layer, model.config.n_layer, "--layer")
     heads = check_index(args.head, model.config.n_head, "--head")
     scores = score_heads(model, seed=args.seed)

@@ -14,52 +14,35 @@ from gptlab.cli.common import (
     add_weight_options,
     config_overrides,
     note_long_prompt,
+    speculation_of,
 )
-from gptlab.config import SamplingConfig
+from gptlab.config import SAMPLE_DEFAULTS, SamplingConfig
 
 if TYPE_CHECKING:  # these import torch, which --help must not wait for
-    from collections.abc import Iterator
-
-    import torch
-
-    from gptlab.generate import Chunk
-    from gptlab.model import GPT
+    from gptlab.inference.lm import LM
     from gptlab.speculative import SpeculationConfig, SpeculationStats
-    from gptlab.structured.grammar import Grammar
-    from gptlab.text.tokenizer import Tokenizer
 
-SAMPLE_DEFAULTS = {"temperature": 0.8, "seed": 1337}  # `gptlab sample`'s own, over SamplingConfig's
-
-
-def print_samples(run: str | Path, prompt: str, num_samples: int, sampling: SamplingConfig, *, device: str,
-                  use_cache: bool = True, as_json: bool = False, dtype: str = "float32",
-                  quantize: str = "none", save: Path | None = None,
+def print_samples(lm: LM, prompt: str, num_samples: int, sampling: SamplingConfig, *,
+                  use_cache: bool = True, as_json: bool = False, save: Path | None = None,
                   constraint: dict[str, Any] | None = None, speculation: SpeculationConfig | None = None,
                   stats: SpeculationStats | None = None) -> None:
-    """Stream `num_samples` continuations of `prompt` to stdout, or print one JSON line per sample, from
-    the run's model with its weights held as `dtype` and `quantize` say (gptlab.quantize). A prompt longer
-    than the context window is read from its last block_size tokens, after a note on stderr saying so.
-    With `save`, what was printed is also written to that file, crash-safely. `constraint` holds the
-    structured output asked for, as `grammar_for`'s json_schema, regex or choice (gptlab.structured).
-    `speculation` drafts tokens by prompt lookup, counted in `stats` over all the samples."""
+    """Stream `num_samples` continuations of `prompt` to stdout, or print one JSON line per sample. A prompt
+    longer than the context window is read from its last block_size tokens, after a note on stderr saying
+    so. With `save`, what was printed is also written to that file, crash-safely. `constraint` holds the
+    structured output asked for (`LM.grammar`'s json_schema, regex or choice); `speculation` drafts tokens
+    by prompt lookup, counted in `stats` over all the samples."""
     import time
 
-    from gptlab.checkpoint import load_for_inference
-    from gptlab.common import resolve_device
     from gptlab.files import atomic_write_text
-    from gptlab.sampling import check_logit_bias, sampler
-    from gptlab.structured.grammar import grammar_for
+    from gptlab.sampling import sampler
 
     if num_samples < 1:
         raise ValueError(f"--num-samples={num_samples} must be at least 1")
-    torch_device = resolve_device(device)
-    model, tokenizer = load_for_inference(run, torch_device, dtype, quantize)
-    check_logit_bias(sampling.logit_bias, tokenizer.vocab_size)
-    grammar = grammar_for(tokenizer, **(constraint or {}))  # checked before anything is printed
-    window, length = model.config.block_size, len(tokenizer.encode(prompt))
+    grammar = lm.grammar(**(constraint or {}))  # compiled once, and checked before the prompt
+    window, length = lm.model.config.block_size, len(lm.encode(prompt))
     if length > window:  # generate keeps the last block_size tokens of a prompt
         note_long_prompt(length, window)
-    generator = sampler(sampling, torch_device)  # one stream for all samples, so each one differs
+    generator = sampler(sampling, lm.device)  # one stream for all samples, so each one differs
     printed: list[str] = []
 
     def show(text: str) -> None:
@@ -69,8 +52,9 @@ def print_samples(run: str | Path, prompt: str, num_samples: int, sampling: Samp
 
     for n in range(num_samples):
         begin = time.perf_counter()
-        chunks = sample_chunks(model, tokenizer, prompt, sampling, grammar, generator=generator,
-                               use_cache=use_cache, speculation=speculation, stats=stats)
+        # The prompt is checked before anything of the sample is printed.
+        chunks = lm.chunks(prompt, sampling, generator=generator, use_cache=use_cache, grammar=grammar,
+                           speculation=speculation, stats=stats)
         if not as_json:
             show(f"--- sample {n + 1} ---\n{prompt}")
         completion, tokens = "", []
@@ -90,57 +74,36 @@ def print_samples(run: str | Path, prompt: str, num_samples: int, sampling: Samp
         atomic_write_text(save, "".join(printed))
 
 
-def sample_chunks(model: GPT, tokenizer: Tokenizer, prompt: str, sampling: SamplingConfig,
-                  grammar: Grammar | None, *, generator: torch.Generator | None, use_cache: bool,
-                  speculation: SpeculationConfig | None,
-                  stats: SpeculationStats | None) -> Iterator[Chunk]:
-    """One continuation's chunks, structured when there is a grammar (either checks the prompt first)."""
-    from gptlab.generate import stream_text
-    from gptlab.structured.generation import stream_structured
-
-    if grammar is not None:
-        return stream_structured(model, tokenizer, prompt, sampling, grammar, generator=generator,
-                                 use_cache=use_cache)
-    return stream_text(model, tokenizer, prompt, sampling, generator=generator, use_cache=use_cache,
-                       speculation=speculation, stats=stats)
-
-
 def cmd_sample(args: argparse.Namespace) -> int:
     """Print continuations of a prompt (or of a file's text) from a trained checkpoint.
 
     Options not given take the run's own defaults (an imported model's generation_config.json), then
     `gptlab sample`'s.
     """
-    from gptlab.checkpoint import generation_defaults
     from gptlab.data.corpora import read_utf8
+    from gptlab.inference.loading import load
     from gptlab.speculative import SpeculationStats
 
     prompt = args.prompt if args.prompt_file is None else read_utf8(args.prompt_file)
-    sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **generation_defaults(args.run),
-                                         **config_overrides(args, SamplingConfig)})
+    overrides = config_overrides(args, SamplingConfig)
+    SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **overrides})  # a bad option is refused before loading
     speculation, stats = speculation_of(args), SpeculationStats()
-    print_samples(args.run, prompt, args.num_samples, sampling, device=args.device, use_cache=args.use_cache,
-                  as_json=args.json, dtype=args.dtype, quantize=args.quantize, constraint=constraint_of(args),
-                  speculation=speculation, stats=stats)
+    if speculation is not None and (not args.use_cache or constraint_given(args)):
+        raise ValueError("--speculative verifies drafts through the KV cache, without structured output: "
+                         "drop --no-kv-cache, --json-schema, --regex and --choice, or --speculative")
+    constraint = constraint_of(args)
+    lm = load(args.run, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    print_samples(lm, prompt, args.num_samples, lm.sampling(**overrides), use_cache=args.use_cache,
+                  as_json=args.json, constraint=constraint, speculation=speculation, stats=stats)
     if speculation is not None:
         print(f"note: speculative decoding: {stats.accepted} of {stats.drafted} drafted tokens accepted "
               f"({stats.acceptance:.0%}) in {stats.passes} verifying passes", file=sys.stderr)
     return 0
 
 
-def speculation_of(args: argparse.Namespace) -> SpeculationConfig | None:
-    """The SpeculationConfig the --speculative options describe, or None without --speculative."""
-    from gptlab.speculative import SpeculationConfig
-
-    given = {name: value for name in ("draft_tokens", "ngram") if (value := getattr(args, name)) is not None}
-    if args.speculative is None:
-        if given:
-            raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --speculative ngram")
-        return None
-    if not args.use_cache or any(v is not None for v in (args.json_schema, args.regex, args.choice)):
-        raise ValueError("--speculative verifies drafts through the KV cache, without structured output: "
-                         "drop --no-kv-cache, --json-schema, --regex and --choice, or --speculative")
-    return SpeculationConfig(**given)
+def constraint_given(args: argparse.Namespace) -> bool:
+    """Whether --json-schema, --regex or --choice was given."""
+    return any(v is not None for v in (args.json_schema, args.regex, args.choice))
 
 
 def constraint_of(args: argparse.Namespace) -> dict[str, Any] | None:

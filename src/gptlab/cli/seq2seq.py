@@ -42,7 +42,7 @@ def answer_lines(model: Any, vocab: Any, task: TaskConfig, sources: list[str],
 
 def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     """Train a new seq2seq run (or resume one), then report exact match and a few held-out answers."""
-    from gptlab.checkpoint import load_seq2seq
+    from gptlab.inference.loading import load_seq2seq
     from gptlab.seq2seq import tasks
     from gptlab.seq2seq.tasks import resolve_seq2seq_configs
     from gptlab.training import distributed
@@ -80,8 +80,8 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
 
 def cmd_seq2seq_sample(args: argparse.Namespace) -> int:
     """Answer each --input with the trained model (greedy decoding)."""
-    from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
+    from gptlab.inference.loading import load_seq2seq
 
     model, vocab, task = load_seq2seq(args.run, resolve_device(args.device), args.dtype, args.quantize)
     sampling = SamplingConfig.from_dict({**SAMPLE_DEFAULTS, **config_overrides(args, SamplingConfig)})
@@ -91,8 +91,8 @@ def cmd_seq2seq_sample(args: argparse.Namespace) -> int:
 
 def cmd_seq2seq_eval(args: argparse.Namespace) -> int:
     """Exact match on held-out examples (sources never trained on, of the trained lengths)."""
-    from gptlab.checkpoint import load_seq2seq
     from gptlab.common import resolve_device
+    from gptlab.inference.loading import load_seq2seq
     from gptlab.seq2seq import tasks
 
     model, _, task = load_seq2seq(args.run, resolve_device(args.device), args.dtype, args.quantize)

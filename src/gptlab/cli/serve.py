@@ -9,11 +9,10 @@ import socket
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from gptlab.cli.common import add_device_option, add_weight_options
+from gptlab.cli.common import add_device_option, add_weight_options, speculation_of
 
 if TYPE_CHECKING:  # fastapi and torch are imported when the command runs, not when the parser is built
     from gptlab.serve.server import ServedRun
-    from gptlab.speculative import SpeculationConfig
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -56,23 +55,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     run_app(served.app, sock)
     print("stopped", flush=True)
     return 0
-
-
-def speculation_of(args: argparse.Namespace) -> SpeculationConfig | None:
-    """The SpeculationConfig --speculative, --draft-tokens and --ngram describe, or None without
-    --speculative (a bad value's error names its flag)."""
-    from gptlab.speculative import SpeculationConfig
-
-    given = {name: value for name in ("draft_tokens", "ngram") if (value := getattr(args, name)) is not None}
-    if args.speculative is None:
-        if given:
-            raise ValueError(f"--{next(iter(given)).replace('_', '-')} needs --speculative ngram")
-        return None
-    try:
-        return SpeculationConfig(**given)
-    except ValueError as err:
-        raise ValueError(str(err).replace("SpeculationConfig.draft_tokens", "--draft-tokens")
-                         .replace("SpeculationConfig.ngram", "--ngram")) from None
 
 
 def bind(listen: Callable[[str, int], socket.socket], host: str, port: int) -> socket.socket:

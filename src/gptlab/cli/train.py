@@ -47,6 +47,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     """
     from gptlab.checkpoint import LAST, has_checkpoint
     from gptlab.common import on_terminal
+    from gptlab.inference.loading import load
     from gptlab.training import distributed
     from gptlab.training.final import final_evaluation
     from gptlab.training.loop import train
@@ -92,7 +93,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if result.interrupted:
         return result.exit_status
     if args.samples:  # kept beside the run as printed: the same command again writes them again
-        print_samples(out, "\n", args.samples, SamplingConfig(temperature=0.8, seed=0), device="cpu",
+        print_samples(load(out), "\n", args.samples, SamplingConfig(temperature=0.8, seed=0),
                       save=out / SAMPLES)
         print(f"(these samples are saved in {out / SAMPLES})")
     if args.link:

@@ -14,10 +14,11 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from gptlab.checkpoint import Checkpoint, data_folder, load_for_inference, load_header
-from gptlab.common import autocast, resolve_device
+from gptlab.checkpoint import Checkpoint, data_folder
+from gptlab.common import autocast
 from gptlab.data.corpora import load_text
 from gptlab.data.tokens import TokenData
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 
 
@@ -162,9 +163,10 @@ def evaluate_run(run: str | Path, data: str = "val", max_tokens: int | None = EV
                  announce: Callable[[str], None] | None = None) -> RunEvaluation:
     """Score a run's best checkpoint on the first `max_tokens` tokens (all: None) of `data` (train, val, a
     prepared folder's val split, or any text) on `device`, its weights held as `dtype` and `quantize`
-    say (gptlab.quantize); `progress` draws a bar of the batches, `announce` is given a line before them."""
-    model, _ = load_for_inference(run, resolve_device(device), dtype, quantize)
-    header = load_header(run)
+    say (gptlab.load); `progress` draws a bar of the batches, `announce` is given a line before them."""
+    lm = load(run, device=device, dtype=dtype, quantize=quantize)
+    header, model = lm.header, lm.model
+    assert header is not None, "a loaded run has its header"
     text = held_out_text(run, data, header)
     window = model.config.block_size
     scored = scored_tokens(len(text.tokens), window, max_tokens)

@@ -168,14 +168,14 @@ def final_loss(folder: Path) -> float | None:
 
 def score(folder: Path, data: Path) -> float:
     """Score a run's last checkpoint on the validation split (its first FINAL_TOKENS) into final.json."""
-    from gptlab.checkpoint import inference_model, load_checkpoint
     from gptlab.data.tokens import TokenData
     from gptlab.evaluation.heldout import evaluate_tokens
+    from gptlab.inference.loading import load
 
-    checkpoint = load_checkpoint(folder, prefer=LAST)
-    result = evaluate_tokens(inference_model(checkpoint, folder), TokenData(data).split("val"),
-                             max_tokens=FINAL_TOKENS)
-    record = {"step": checkpoint.state["step"], "val_loss": result.loss, "tokens": result.tokens,
+    lm = load(folder, prefer=LAST)
+    result = evaluate_tokens(lm.model, TokenData(data).split("val"), max_tokens=FINAL_TOKENS)
+    assert lm.header is not None, "a loaded run has its header"
+    record = {"step": lm.header.state["step"], "val_loss": result.loss, "tokens": result.tokens,
               "checkpoint": LAST}
     atomic_write_text(folder / FINAL, json.dumps(record, indent=2) + "\n")
     return result.loss

@@ -117,8 +117,8 @@ def predictions(maps: AttentionMaps, tokenizer: Tokenizer, k: int = TOP_PREDICTI
             for ps, ts in zip(top.values, top.indices, strict=True)]
 
 
-def save_attention_html(maps: AttentionMaps, tokenizer: Tokenizer, path: str | Path) -> None:
-    """Write one self-contained page (inline data, script and style; nothing fetched) to `path`."""
+def attention_page(maps: AttentionMaps, tokenizer: Tokenizer) -> str:
+    """One self-contained page (inline data, script and style; nothing fetched)."""
     data = {
         "prompt": maps.prompt,
         "labels": maps.labels,
@@ -130,5 +130,35 @@ def save_attention_html(maps: AttentionMaps, tokenizer: Tokenizer, path: str | P
     # "<" escaped as \u003c keeps "</script>" in a token from ending the data block early.
     inline = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")
     parts = {"TITLE": html.escape(f"attention: {maps.prompt!r}"), "DATA": inline}
-    page = re.sub("__(TITLE|DATA)__", lambda m: parts[m.group(1)], PAGE)  # one pass: no part is rescanned
-    Path(path).write_text(page, encoding="utf-8")
+    return re.sub("__(TITLE|DATA)__", lambda m: parts[m.group(1)], PAGE)  # one pass: no part is rescanned
+
+
+def save_attention_html(maps: AttentionMaps, tokenizer: Tokenizer, path: str | Path) -> None:
+    """Write `attention_page` to `path`."""
+    Path(path).write_text(attention_page(maps, tokenizer), encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class AttentionView:
+    """Attention maps as a notebook shows them: the offline page inline (in an iframe, so its script and
+    style stay its own), and `save` to an .html page or a .png grid."""
+
+    maps: AttentionMaps
+    tokenizer: Tokenizer
+
+    def _repr_html_(self) -> str:
+        height = 620 + 14 * len(self.maps.labels)  # the page's controls, then a grid that grows with T
+        page = html.escape(attention_page(self.maps, self.tokenizer), quote=True)
+        return (f'<iframe srcdoc="{page}" sandbox="allow-scripts" style="width:100%;height:{height}px;'
+                'border:0" title="attention weights"></iframe>')
+
+    def save(self, path: str | Path) -> Path:
+        """Write the page (path ending .html) or the heatmap grid (.png); return the path."""
+        path = Path(path)
+        if path.suffix.lower() == ".png":
+            save_attention_png(self.maps, path)
+        elif path.suffix.lower() in (".html", ".htm"):
+            save_attention_html(self.maps, self.tokenizer, path)
+        else:
+            raise ValueError(f"{path}: save attention as FILE.html (the page) or FILE.png (the grid)")
+        return path

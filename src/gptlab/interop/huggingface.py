@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -302,41 +302,34 @@ def _hf_config(hf_dir: Path) -> Any:
                          "model's repository") from None
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Conversion:
-    """Read a local GPT-2, Llama or Qwen2 folder into a gptlab run folder (best.safetensors, config.json);
-    with `progress`, a bar on a terminal counts the tensors read."""
+def read_hf(hf_dir: str | Path, progress: bool = True,
+            bar: tqdm | None = None) -> tuple[Checkpoint, list[str]]:
+    """A local GPT-2, Llama or Qwen2 folder as a checkpoint in memory (its weights, tokenizer, sampling
+    defaults and chat template) and notes on what was read; nothing is written (`gptlab.load` reads one
+    so). With `progress`, a bar on a terminal counts the tensors read (on `bar`, when given)."""
     hf_dir = Path(hf_dir)
     hf_config = _hf_config(hf_dir)
     family = hf_config.get("model_type", "gpt2") if isinstance(hf_config, dict) else None
-    with _bar("reading", progress) as bar:
+    with nullcontext(bar) if bar is not None else _bar("reading", progress) as bar:
         if family == "gpt2":
             config = model_config_from_gpt2(hf_config)
             tokenizer, note = read_hf_tokenizer(hf_dir, config.vocab_size)
-            generation = generation_defaults(hf_dir)
             tensors, skipped = from_gpt2_state(_counted(read_tensors(hf_dir), bar, tensor_count(hf_dir)),
                                                config)
         elif family in FAMILIES:
             config = model_config_from_llama(hf_config)
             tokenizer, note = read_llama_tokenizer(hf_dir, hf_config, config.vocab_size)
-            generation = generation_defaults(hf_dir)
             tensors, skipped = from_llama_state(_counted(read_tensors(hf_dir), bar, tensor_count(hf_dir)),
                                                 config, expected_shapes(config))
         else:
             raise ValueError(f"{hf_dir / 'config.json'} has model_type={family!r}: gptlab imports gpt2, "
                              f"{', '.join(FAMILIES)}")
-        marker = {"command": "import-hf", "source": str(hf_dir.resolve())}
-        out_dir = _new_folder(out_dir, marker)
-        # `generation` is what `gptlab sample` uses for the settings its user leaves out
-        state = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
-        template = chat_template(hf_dir)  # kept as Jinja source; gptlab.adapt.chat renders it
-        if template is not None:
-            state["chat_template"] = template
-        resolved = {"model": config.to_dict(), "generation": generation, "imported_from": str(hf_dir),
-                    SOURCE_KEY: {**marker, "files": [BEST, "config.json"]}}
-        bar.set_description(f"writing {BEST}")
-        with _staged(out_dir) as folder:
-            save_checkpoint(folder / BEST, Checkpoint(config, tokenizer, tensors, state=state))
-            atomic_write_text(folder / "config.json", json.dumps(resolved, indent=2) + "\n")
+    generation = generation_defaults(hf_dir)
+    # `generation` is what `gptlab sample` uses for the settings its user leaves out
+    state: dict[str, Any] = {"step": 0, "imported_from": str(hf_dir), "generation": generation}
+    template = chat_template(hf_dir)  # kept as Jinja source; gptlab.adapt.chat renders it
+    if template is not None:
+        state["chat_template"] = template
     notes = [note]
     if generation:
         shown = ", ".join(f"{key} {value}" for key, value in generation.items())
@@ -345,6 +338,23 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) ->
         what = "causal-mask" if family == "gpt2" else "rotary-frequency"
         notes.append(f"skipped {len(skipped)} {what} buffers (such as {skipped[0]}), which are not weights: "
                      "gptlab builds them from the config")
+    return Checkpoint(config, tokenizer, tensors, state=state, source=str(hf_dir)), notes
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path, progress: bool = True) -> Conversion:
+    """Read a local GPT-2, Llama or Qwen2 folder into a gptlab run folder (best.safetensors, config.json);
+    with `progress`, a bar on a terminal counts the tensors read."""
+    hf_dir = Path(hf_dir)
+    marker = {"command": "import-hf", "source": str(hf_dir.resolve())}
+    out_dir = _new_folder(out_dir, marker)  # refused before anything is read
+    with _bar("reading", progress) as bar:
+        checkpoint, notes = read_hf(hf_dir, progress, bar)
+        resolved = {"model": checkpoint.model_config.to_dict(), "generation": checkpoint.state["generation"],
+                    "imported_from": str(hf_dir), SOURCE_KEY: {**marker, "files": [BEST, "config.json"]}}
+        bar.set_description(f"writing {BEST}")
+        with _staged(out_dir) as folder:
+            save_checkpoint(folder / BEST, checkpoint)
+            atomic_write_text(folder / "config.json", json.dumps(resolved, indent=2) + "\n")
     return Conversion(out_dir, [BEST, "config.json"], notes)
 
 

@@ -31,10 +31,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from gptlab.checkpoint import inference_model, load_checkpoint
-from gptlab.common import resolve_device
 from gptlab.config import SettingError
 from gptlab.files import RunLock, atomic_write, atomic_write_text, file_sha256, remove_stale_temporaries
+from gptlab.inference.loading import load
 from gptlab.model import GPT
 from gptlab.sae.config import SAEConfig
 from gptlab.sae.data import (
@@ -84,9 +83,9 @@ class Session:
 def open_session(run: str | Path, config: SAEConfig, data: str | None,
                  device: str) -> tuple[Session, SAEConfig]:
     """Load the run's model and data for an SAE at `config.site`; the config with its width filled in."""
-    checkpoint = load_checkpoint(run, optimizer=False)
-    model = inference_model(checkpoint, run, resolve_device(device))
-    tokenizer = checkpoint.load_tokenizer()
+    lm = load(run, device=device)
+    model, tokenizer, checkpoint = lm.model, lm.tokenizer, lm.header
+    assert checkpoint is not None, "a loaded run has its header"
     check_site(model, config.site)
     source = Path(checkpoint.source)
     text = sae_text(source.parent, checkpoint.state, tokenizer, data)

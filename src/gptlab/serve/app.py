@@ -26,7 +26,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -36,8 +36,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException
 
 from gptlab.config import SettingError
+from gptlab.inference.lm import LM
 from gptlab.inspection.attention_view import attention_maps
-from gptlab.model import GPT
 from gptlab.serve.batching import Scheduler
 from gptlab.serve.chat import ChatServing, chat_text_ids, start_chat
 from gptlab.serve.completion import Completion, Served, start_completion
@@ -60,25 +60,25 @@ from gptlab.serve.schemas import (
     with_defaults,
 )
 from gptlab.speculative import SpeculationConfig
-from gptlab.text.chat_template import ChatTemplate, NativeTemplate
-from gptlab.text.tokenizer import Tokenizer
 
 MAX_BODY = 1 << 20  # bytes: a larger body is a 413
 
 
-def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | None = None,
-               max_batch: int = 64, limits: Limits | None = None,
-               allowed_hosts: Collection[str] | None = LOOPBACK_NAMES,
-               defaults: Mapping[str, Any] | None = None, template: ChatTemplate | None = None,
+def create_app(lm: LM, name: str, *, api_key: str | None = None, max_batch: int = 64,
+               limits: Limits | None = None, allowed_hosts: Collection[str] | None = LOOPBACK_NAMES,
                metrics: bool = True, speculation: SpeculationConfig | None = None,
                prefix_cache_bytes: int = DEFAULT_BUDGET) -> FastAPI:
-    """The server's ASGI app for one model; its decode thread runs while the app's lifespan does.
+    """The server's ASGI app for one model (`gptlab.load`'s LM, or `LM.from_model`); its decode thread runs
+    while the app's lifespan does.
 
-    `allowed_hosts`: the Host names it answers to (None: any); `defaults`: sampling values (temperature,
-    top_p, top_k) for the fields a request does not set, such as an imported model's generation_config;
-    `template`: the run's chat template (`text.chat_template.template_from_state`; default the native one);
-    `metrics`: whether to count and answer GET /metrics; `speculation`: prompt-lookup decoding for every
-    request that does not turn it off; `prefix_cache_bytes`: the prefix cache's budget (0: none)."""
+    The LM's sampling defaults (an imported model's generation_config: temperature, top_p, top_k) fill the
+    fields a request does not set, and its chat template renders chats. `allowed_hosts`: the Host names it
+    answers to (None: any); `metrics`: whether to count and answer GET /metrics; `speculation`:
+    prompt-lookup decoding for every request that does not turn it off; `prefix_cache_bytes`: the prefix
+    cache's budget (0: none)."""
+    model, tokenizer, template = lm.model, lm.tokenizer, lm.template
+    # max_tokens stays OpenAI's default: only the sampling fields take the run's own defaults.
+    defaults = {key: value for key, value in lm.defaults.items() if key in SAMPLING_DEFAULTS}
     if not model.config.causal:
         raise ValueError("gptlab serve needs a causal model: causal=False is only for demonstrations")
     limits = limits or Limits()
@@ -86,17 +86,14 @@ def create_app(model: GPT, tokenizer: Tokenizer, name: str, *, api_key: str | No
         raise SettingError(f"{{max_context}} {limits.max_context} is more than the model's context window "
                            f"({model.config.block_size}): give at most {model.config.block_size}",
                            max_context="max_context")
-    unknown = set(defaults or {}) - set(SAMPLING_DEFAULTS)
-    if unknown:
-        raise ValueError(f"sampling defaults {sorted(unknown)} are not among {', '.join(SAMPLING_DEFAULTS)}")
     scheduler = Scheduler(model, tokenizer, max_batch, max_context=limits.max_context,
                           max_waiting=limits.max_waiting, prefill_chunk=limits.prefill_chunk,
                           speculation=speculation, prefix_cache_bytes=prefix_cache_bytes)
     served = Served(model, tokenizer, name, scheduler, api_key, limits, max_choices=2 * max_batch,
-                    created=int(time.time()), defaults=dict(defaults or {}))
+                    created=int(time.time()), defaults=defaults)
     # No /docs pages: they load scripts from a CDN, and nothing this server shows may fetch anything.
     app = FastAPI(title=f"gptlab: {name}", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.served, app.state.chat = served, ChatServing.of(template or NativeTemplate(), tokenizer)
+    app.state.served, app.state.chat = served, ChatServing.of(template, tokenizer)
     app.add_middleware(Guard, allowed=allowed_hosts)  # inside Starlette's own fault handler, so it answers
     app.state.metrics = instrument(app, scheduler, routes.routes) if metrics else None  # outside Guard
     add_error_handlers(app)

@@ -14,15 +14,14 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from gptlab.checkpoint import generation_defaults, load_for_inference, load_header
 from gptlab.common import resolve_device
+from gptlab.inference.loading import load
 from gptlab.serve.app import create_app
 from gptlab.serve.guard import LOOPBACK_NAMES
 from gptlab.serve.prefix_cache import DEFAULT_BUDGET
-from gptlab.serve.schemas import SAMPLING_DEFAULTS, Limits
+from gptlab.serve.schemas import Limits
 from gptlab.serve.sizing import Plan, available_memory, plan_memory, weights_bytes
 from gptlab.speculative import SpeculationConfig
-from gptlab.text.chat_template import template_from_state
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -43,23 +42,20 @@ def app_for_run(run: str | Path, device: str = "cpu", dtype: str = "float32", qu
                 speculation: SpeculationConfig | None = None, prefix_cache_bytes: int = DEFAULT_BUDGET
                 ) -> ServedRun:
     """The app serving a run folder or checkpoint, named as given (a link by its own name), its weights held
-    in `dtype` or quantised (`checkpoint.load_for_inference`). `max_batch` None: the largest batch up to 64
+    in `dtype` or quantised (`gptlab.load`). `max_batch` None: the largest batch up to 64
     that fits in the memory free before loading (`sizing.plan_memory`); the run's sampling defaults (an
     imported model's generation_config.json) fill what a request leaves out; its chat template, chats;
     `metrics` False: no GET /metrics; `speculation` and `prefix_cache_bytes`: as `create_app` takes them."""
     limits = limits or Limits()
     torch_device = resolve_device(device)
     free = available_memory(torch_device)  # before the weights take their share
-    model, tokenizer = load_for_inference(run, torch_device, dtype, quantize)
-    plan = plan_memory(model.config, next(model.parameters()).dtype, weights_bytes(model), free,
+    lm = load(run, device=torch_device, dtype=dtype, quantize=quantize)
+    plan = plan_memory(lm.model.config, next(lm.model.parameters()).dtype, weights_bytes(lm.model), free,
                        max_batch, limits.max_context)
     name = Path(os.path.abspath(run)).name  # as given, links unresolved: runs/demo (a link) serves "demo"
-    # max_tokens stays OpenAI's default: only the sampling fields take the run's own defaults.
-    defaults = {k: v for k, v in generation_defaults(run).items() if k in SAMPLING_DEFAULTS}
-    template = template_from_state(load_header(run).state)
-    app = create_app(model, tokenizer, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
-                     allowed_hosts=allowed_hosts, defaults=defaults, template=template, metrics=metrics,
-                     speculation=speculation, prefix_cache_bytes=prefix_cache_bytes)
+    app = create_app(lm, name, api_key=api_key, max_batch=plan.max_batch, limits=limits,
+                     allowed_hosts=allowed_hosts, metrics=metrics, speculation=speculation,
+                     prefix_cache_bytes=prefix_cache_bytes)
     return ServedRun(app, name, plan)
 
 
