@@ -33,8 +33,21 @@ $(VENV)/.all-installed: $(VENV)/.demo-installed
 # writes the loss plot and prints samples. Each run gets its own folder, so nothing is overwritten;
 # the link runs/demo points at the latest finished one, and the last lines print its real path and
 # three commands to paste next (sample, eval, serve on runs/demo).
+# A demo run that was interrupted (Ctrl-C) is continued by the next `make demo`, not orphaned: its folder
+# is the newest runs/demo-* that runs/demo does not point at and whose last step is short of its end.
+UNFINISHED_DEMO = $(BIN)/python -c "import glob, os; from pathlib import Path; \
+  from gptlab.checkpoint import LAST, has_checkpoint, load_header; \
+  runs = [r for r in sorted(glob.glob('runs/demo-*')) if has_checkpoint(Path(r), LAST) \
+          and os.path.realpath(r) != os.path.realpath('runs/demo')]; \
+  last = load_header(runs[-1], prefer=LAST) if runs else None; \
+  print(runs[-1] if last and last.train_config and last.state['step'] < last.train_config.max_steps else '')"
+
 demo: $(VENV)/.demo-installed
-	$(BIN)/gptlab train --preset demo --data shakespeare --out runs/demo-$$(date +%Y%m%d-%H%M%S) --link runs/demo
+	@out=$$($(UNFINISHED_DEMO)); \
+	if [ -n "$$out" ]; then echo "== continuing the interrupted demo run $$out (remove it to start afresh) =="; \
+	else out=runs/demo-$$(date +%Y%m%d-%H%M%S); fi; \
+	echo "$(BIN)/gptlab train --preset demo --data shakespeare --out $$out --link runs/demo"; \
+	$(BIN)/gptlab train --preset demo --data shakespeare --out $$out --link runs/demo
 
 lab: $(VENV)/.demo-installed
 	$(BIN)/gptlab lab
@@ -46,13 +59,21 @@ lint: $(VENV)/.all-installed
 typecheck: $(VENV)/.all-installed
 	$(BIN)/mypy
 
+# The site needs only the docs tools beside what the demo installed (mkdocstrings reads src/ statically).
+$(VENV)/.docs-installed: $(VENV)/.demo-installed
+	$(BIN)/python -m pip install -c constraints.txt -e '.[serve,structured,gguf,docs]'
+	touch $@
+
 # --strict: a broken link, a missing reference or a docstring warning fails the build.
-docs: $(VENV)/.all-installed
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+BUILD_SITE = NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+docs: $(VENV)/.docs-installed
+	$(BUILD_SITE)
 	@echo "docs built in site/: open site/index.html in a browser (every page and link works from disk);"
 	@echo "search needs the pages served: $(BIN)/python -m http.server -d site 8000, then http://localhost:8000"
 
-test: lint typecheck docs
+# The lint, the type check and the site's build (with everything installed), then the whole suite.
+test: lint typecheck
+	$(BUILD_SITE)
 	$(BIN)/pytest
 
 test-fast: lint

@@ -29,6 +29,7 @@ extra (`pip install 'gptlab[hf]'`); without it the table is skipped.
     python benchmarks/generate.py --batches  # batched throughput on the GPT-2-small shape
     python benchmarks/generate.py --int8     # float32 against int8 weights (gptlab.inference.quantize)
     python benchmarks/generate.py --int8-rows  # one int8 layer's product for 1 to 64 rows, each way
+    python benchmarks/generate.py --lm       # the demo shape through gptlab.load's LM, beside transformers
 
 `--batches` decodes 64 new tokens for batches of 1, 4, 16 and 64 prompts (all of 16 tokens, or of 1
 to 32 tokens, left-padded), and prints total and per-sequence tokens/s for gptlab's batched KV-cache
@@ -243,6 +244,35 @@ def transformers_comparison(device: torch.device) -> list[str]:
     return rows
 
 
+def lm_rows(device: torch.device, repeats: int = 5) -> list[str]:
+    """The demo shape (context 256) decoded greedily three ways on the same weights: gptlab's `generate`
+    (token ids), `LM.generate` (text, as `gptlab.load(run).generate` and `gptlab sample` decode it) and
+    transformers' `generate`; each the best of `repeats` after a warm-up."""
+    from gptlab.inference.lm import LM
+    from gptlab.interop.huggingface import to_transformers
+    from gptlab.text.tokenizer import CharTokenizer
+
+    torch.manual_seed(0)
+    model = GPT(SIZES[0].config.replace(block_size=256)).to(device).eval()
+    hf = to_transformers(model)
+    decoding_layout(model)  # as `gptlab.load` lays it out
+    lm = LM.from_model(model, CharTokenizer("".join(chr(33 + i) for i in range(model.config.vocab_size))))
+    idx = torch.zeros(1, 1, dtype=torch.long, device=device)
+    runs = {
+        "gptlab `generate` (token ids)": lambda: [int(t) for t in
+                                                  generate(model, [[0]], greedy(HF_NEW_TOKENS))],
+        "`LM.generate` (text)": lambda: lm.encode(lm.generate(lm.decode([0]), max_new_tokens=HF_NEW_TOKENS,
+                                                              temperature=0)),
+        "transformers `generate`": lambda: hf.generate(
+            idx, attention_mask=torch.ones_like(idx), do_sample=False, use_cache=True,
+            max_new_tokens=HF_NEW_TOKENS, min_new_tokens=HF_NEW_TOKENS, pad_token_id=0)[0, 1:].tolist(),
+    }
+    timed = {name: best_seconds(run, repeats) for name, run in runs.items()}
+    theirs, their_tokens = timed["transformers `generate`"]
+    return [f"| {name} | {HF_NEW_TOKENS / seconds:,.1f} | x{theirs / seconds:.2f} | "
+            f"{tokens == their_tokens} |" for name, (seconds, tokens) in timed.items()]
+
+
 BATCHES = (1, 4, 16, 64)
 BATCH_NEW_TOKENS = 64
 
@@ -372,6 +402,8 @@ def main() -> None:
     parser.add_argument("--int8", action="store_true", help="only the float32-against-int8 table")
     parser.add_argument("--int8-rows", action="store_true", help="only one int8 layer's product time "
                         "for 1 to 64 rows (a batched decoding step), each way of computing it")
+    parser.add_argument("--lm", action="store_true", help="only the demo shape through LM.generate beside "
+                        "gptlab's generate and transformers")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -383,6 +415,13 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for row in batched_rows(device):
             print(row, flush=True)
+        return
+    if args.lm:
+        print(f"demo shape (4x128, ctx 256, V 84), {HF_NEW_TOKENS} new tokens, batch 1, greedy, best of 5; "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {device}\n")
+        print("| decoding | tokens/s | vs transformers | same tokens as transformers |")
+        print("|---|---|---|---|")
+        print("\n".join(lm_rows(device)))
         return
     if args.int8_rows:
         print(f"one 576 -> 1536 product, microseconds (median of 50); torch {torch.__version__}, "

@@ -7,8 +7,10 @@ test fail. From now on a name is retired as the README says: a release's depreca
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,14 @@ def test_moved_names_still_work_with_a_warning_naming_their_new_home(module: str
     with pytest.warns(DeprecationWarning, match=MOVED[module, name].replace(".", r"\.")):
         found = getattr(importlib.import_module(module), name)
     assert callable(found)
+
+
+def test_no_caller_in_the_library_uses_a_moved_name() -> None:
+    """Every inference caller loads through gptlab.load: the moved names are only defined and forwarded."""
+    src = Path(gptlab.__file__).parent
+    homes = {src / "checkpoint.py", src / "inference" / "deprecated.py", src / "__init__.py"}
+    moved = re.compile(r"\b(load_run|load_for_inference|inference_model)\b|checkpoint import[^\n]*"
+                       r"\b(generation_defaults|load_seq2seq)\b|gptlab\.(quantize|layouts)\b")
+    users = [f"{path.relative_to(src)}:{n}" for path in sorted(src.rglob("*.py")) if path not in homes
+             for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if moved.search(line)]
+    assert users == []

@@ -244,7 +244,7 @@ def test_cli_speculative_greedy_prints_the_same_tokens_and_the_acceptance(
 @pytest.mark.parametrize(("args", "message"), [
     (["--draft-tokens", "4"], "--draft-tokens needs --speculative ngram"),
     (["--speculative", "ngram", "--no-kv-cache"], "drop --no-kv-cache"),
-    (["--speculative", "ngram", "--ngram", "0"], "--ngram=0 must be positive"),
+    (["--speculative", "ngram", "--ngram", "0"], "argument --ngram: 0 is not an integer of at least 1"),
 ])
 def test_cli_speculative_mistakes_are_one_line(args: list[str], message: str, tmp_path: Path,
                                                random_model: Callable[..., GPT],

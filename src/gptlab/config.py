@@ -114,6 +114,9 @@ class ModelConfig(Config):
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"{owner}.dropout={self.dropout} must be in [0, 1)")
+        if len(set(self.ngram_embeddings)) < len(self.ngram_embeddings):
+            raise ValueError(f"{owner}.ngram_embeddings={list(self.ngram_embeddings)} repeats an order: "
+                             "give each order once")
         if any(not 2 <= n <= self.block_size for n in self.ngram_embeddings):
             raise ValueError(f"{owner}.ngram_embeddings={list(self.ngram_embeddings)}: each order must be "
                              f"from 2 (bigrams) to block_size={self.block_size}")
@@ -322,7 +325,7 @@ class Seq2SeqConfig(ModelConfig):
 
 TASKS = ("reverse", "sort", "add")
 DTYPES = ("float32", "bfloat16")  # the precisions a trained model's weights can be held in for inference
-QUANTIZATIONS = ("none", "int8")  # weight-only quantisations for inference (gptlab.quantize)
+QUANTIZATIONS = ("none", "int8")  # weight-only quantisations for inference (gptlab.inference.quantize)
 
 
 @dataclass

@@ -78,17 +78,25 @@ class KVCache:
         self._start: int | None = 0  # the slot the new tokens start at when every row shares it
         self._write = self.pad  # otherwise each row's slot for its one new token, (B,)
         self._used = 0  # slots of the fullest row in the batch
+        self._padded: bool | None = False  # whether `pad` holds padding (None: not known yet)
 
     @property
     def size(self) -> int:
         """How many rows the cache holds."""
         return len(self.fed)
 
+    @property
+    def padded(self) -> bool:
+        """Whether any row was reset with left padding (the scheduler's rows never are)."""
+        if self._padded is None:
+            self._padded = bool((self.pad > 0).any())
+        return self._padded
+
     def reset(self, pad: torch.Tensor, first: torch.Tensor | None = None,
               before: torch.Tensor | None = None) -> None:
         """Forget every token, keeping the memory; see the class docstring for `pad`, `first` (B,) and
         `before` (B, K)."""
-        self.pad = pad
+        self.pad, self._padded = pad, None
         self.first = torch.zeros_like(pad) if first is None else first
         assert before is None or before.shape == self.before.shape, "before holds K ids per row"
         self.before = torch.full_like(self.before, self.start) if before is None else before
@@ -110,6 +118,8 @@ class KVCache:
         assert n_new == 1 or fed[0] + n_new <= self.capacity or self.capacity >= self.window + n_new - 1, \
             "a chunk after the ring has wrapped needs capacity >= window + n_new - 1"
         pad, first = self.pad[self.batch, None], self.first[self.batch, None]  # (B, 1)
+        if n_new == 1 and uniform and not self.padded:
+            return self._advance_one(fed[0], first)
         column = torch.tensor(fed, device=device)[:, None] + torch.arange(n_new, device=device)  # (B, T)
         real = column >= pad  # (B, T)
         self.positions = first + (column - pad).clamp(min=0)  # (B, T)
@@ -121,10 +131,24 @@ class KVCache:
         self.fed[self.batch] = [f + n_new for f in fed]
         longest = max(fed) + n_new
         self._used = min(longest, self.capacity)
-        padded = bool((pad > 0).any())
-        if n_new == 1 and uniform and not padded and longest <= min(self.window, self.capacity):
+        return self._mask(real)
+
+    def _advance_one(self, fed: int, first: torch.Tensor) -> torch.Tensor:
+        """`advance` by one token for rows that share their count and hold no padding (most decoding
+        steps): the same slots, positions and mask with a few operations instead of a dozen."""
+        slot = fed % self.capacity
+        self.positions = first + fed  # (B, 1)
+        self._start, self._used = slot, min(fed + 1, self.capacity)
+        self.slot_positions[self.batch, slot] = self.positions[:, 0]
+        self.slot_real[self.batch, slot] = True
+        self.fed[self.batch] = [fed + 1] * len(self.fed[self.batch])
+        if fed + 1 <= min(self.window, self.capacity):
             self.mask = None  # one query per row, no padding, nothing wrapped or out of the window
             return self.positions
+        return self._mask(torch.ones_like(self.positions, dtype=torch.bool))
+
+    def _mask(self, real: torch.Tensor) -> torch.Tensor:
+        """The new queries' mask (real: which are real tokens, (B, T)) into `self.mask`; their positions."""
         keys_at = self.slot_positions[self.batch, None, :self._used]  # (B, 1, S)
         queries_at = self.positions[:, :, None]  # (B, T, 1)
         visible = (keys_at <= queries_at) & (keys_at > queries_at - self.window)  # (B, T, S)

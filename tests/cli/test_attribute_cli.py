@@ -84,7 +84,7 @@ def test_circuit_recovers_the_wired_circuit_and_draws_it(wired_run: Path, tmp_pa
     (["--clean", "abcab", "--corrupt", "abdab"], "give --clean, --corrupt and --target"),
     (["--clean", "abcab", "--corrupt", "abdab", "--target", "c", "--foil", "c"], "--foil is the same token"),
     (["--clean", "abcab", "--corrupt", "abdab", "--target", "c", "--method", "eap-ig", "--steps", "0"],
-     "--steps=0"),
+     "argument --steps: 0 is not"),
 ])
 def test_mistakes_are_one_line(wired_run: Path, capsys: pytest.CaptureFixture[str], argv: list[str],
                                words: str) -> None:

@@ -207,12 +207,11 @@ def test_usage_mistakes_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capt
     assert main(["check", str(notes)]) == 2
     assert "is not a Python file" in capsys.readouterr().err
     assert main(["check", str(learner_file(tmp_path, "a.py", "")), "--timeout", "0"]) == 2
-    assert capsys.readouterr().err == "gptlab: error: --timeout and --memory-mb must be positive\n"
+    assert capsys.readouterr().err.startswith("gptlab: error: argument --timeout: 0 is not a finite number")
 
 
 def test_help_teaches_the_names_and_says_it_is_not_a_sandbox(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit):
-        main(["check", "--help"])
+    assert main(["check", "--help"]) == 0
     text = capsys.readouterr().out
     for words in ("attention(q, k, v[, mask])", "MultiHeadAttention", "Block", "--model EXPR",
                   "NOT a sandbox", "gptlab check submissions/*.py --csv grades.csv"):
@@ -229,7 +228,7 @@ def test_the_command_writes_every_format_and_exits_1_on_a_failure(
     seen: list[tuple[Names, float, int]] = []
 
     def fake_check_file(path: Path, names: Names, timeout_s: float, memory_mb: int,
-                        pictures: bool = False, learning: bool = True) -> FileReport:
+                        pictures: bool = False, learning: bool = True, **_: Any) -> FileReport:
         seen.append((names, timeout_s, memory_mb))
         return results[path.name]
 

@@ -59,7 +59,9 @@ def test_weights_are_recomputed_only_for_the_heads_asked_for(random_gpt: Any) ->
     with record(model, ["h.1.attn.weights"], heads=[1]) as one:
         model(idx)
     assert one["h.1.attn.weights"].shape == (1, 1, 8, 8)
-    assert torch.equal(one["h.1.attn.weights"], every["h.1.attn.weights"][:, [1]])
+    # one head's scores are a product of another batch size (and layout) than all heads': a BLAS may
+    # block them differently, so within float32 rounding, not bit for bit
+    assert_close(one["h.1.attn.weights"], every["h.1.attn.weights"][:, [1]])
     assert_close(every["h.1.attn.weights"], model.transformer.h[1].attn.attention_weights(
         model.transformer.h[1].ln_1(model.transformer.h[0](model.embed(idx)))))
 

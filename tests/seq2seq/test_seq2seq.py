@@ -18,7 +18,7 @@ from gptlab.cli import main
 from gptlab.config import ModelConfig, Seq2SeqConfig, TaskConfig, TrainConfig
 from gptlab.handout.properties import failed
 from gptlab.handout.verify_seq2seq import verify_seq2seq
-from gptlab.inference.loading import load
+from gptlab.inference.loading import load_seq2seq
 from gptlab.inspection.cross_attention import cross_attention_maps, cross_inputs
 from gptlab.kv_cache import KVCache
 from gptlab.model import Block, CausalSelfAttention
@@ -277,7 +277,7 @@ def reverse_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow  # reverse_run trains 500 steps
 def test_reverse_reaches_99_percent_exact_match_on_held_out_strings(reverse_run: Path) -> None:
-    model = load(reverse_run, expect="encoder-decoder").model
+    model = load_seq2seq(reverse_run)[0]
     score = tasks.exact_match(model, FAST_TASK, 1000, seed=123, device=torch.device("cpu"))
     assert score >= 0.99
     rows = list(csv.DictReader((reverse_run / "metrics.csv").open()))
@@ -287,8 +287,7 @@ def test_reverse_reaches_99_percent_exact_match_on_held_out_strings(reverse_run:
 
 @pytest.mark.slow  # reverse_run trains 500 steps
 def test_trained_cross_attention_reads_the_source_backwards(reverse_run: Path) -> None:
-    lm = load(reverse_run, expect="encoder-decoder")
-    model, vocab = lm.model, lm.tokenizer
+    model, vocab, _ = load_seq2seq(reverse_run)
     maps = cross_attention_maps(model, vocab, FAST_TASK, "abcdef")
     assert maps.answer == "fedcba"
     assert maps.weights.shape == (1, 2, 7, 7)  # (L, H, answer + <eos>, source + <eos>)
@@ -317,7 +316,7 @@ def test_seq2seq_resume_is_exact(tmp_path: Path) -> None:
 def test_verify_passes_on_the_trained_model_and_fails_on_broken_ones(reverse_run: Path) -> None:
     code, out, _ = run_cli("verify", reverse_run)
     assert code == 0 and "8 of 8 hold" in out
-    model = load(reverse_run, expect="encoder-decoder").model
+    model = load_seq2seq(reverse_run)[0]
     assert not failed(verify_seq2seq(model))
     model.decoder.h[0].attn.causal = False  # one decoder block sees the future
     broken = [p.name for p in failed(verify_seq2seq(model))]  # a cache cannot match a model that looks ahead

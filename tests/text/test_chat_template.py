@@ -165,4 +165,6 @@ def test_char_and_byte_tokenizers_take_the_markers_as_special_tokens(kind: str) 
                                                     *tokenizer.encode("\n")]
     ids = torch.tensor([tokenizer.encode("abcde")])  # (1, T)
     with torch.no_grad():
-        assert torch.equal(grown(ids)[0][..., :first], model(ids)[0])  # old tokens' logits unchanged
+        # old tokens' logits unchanged; the head's width differs, and a BLAS may block products of
+        # different shapes differently, so within float32 rounding, not bit for bit
+        torch.testing.assert_close(grown(ids)[0][..., :first], model(ids)[0])

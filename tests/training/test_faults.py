@@ -383,10 +383,10 @@ def test_a_full_disk_stops_the_run_and_keeps_the_last_checkpoint(data_dir: Path,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["train", "--lr", "nan"], "TrainConfig.lr=nan must be a finite number"),
-    (["train", "--lr", "inf"], "TrainConfig.lr=inf must be a finite number"),
-    (["train", "--min-lr", "nan"], "TrainConfig.min_lr=nan must be a finite number"),
-    (["train", "--dropout", "nan"], "ModelConfig.dropout=nan must be a finite number"),
+    (["train", "--lr", "nan"], "argument --lr: nan is not a finite number"),
+    (["train", "--lr", "inf"], "argument --lr: inf is not a finite number"),
+    (["train", "--min-lr", "nan"], "argument --min-lr: nan is not a finite number"),
+    (["train", "--dropout", "nan"], "argument --dropout: nan is not a finite number"),
 ])
 def test_non_finite_numbers_are_refused_before_anything_is_written(
         argv: list[str], message: str, data_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -399,7 +399,7 @@ def test_eval_refuses_a_token_budget_below_one(data_dir: Path, tmp_path: Path,
     train(tmp_path / "run", data_dir, MODEL, TRAIN, stop_at=3, progress=False)
     for budget in ("0", "-5"):
         one_line_error(capsys, ["eval", str(tmp_path / "run"), "--max-tokens", budget],
-                       f"max_tokens={budget} must be at least 1")
+                       f"argument --max-tokens: {budget} is not an integer of at least 1")
 
 
 def test_ablate_refuses_an_output_that_is_not_png(data_dir: Path, tmp_path: Path,

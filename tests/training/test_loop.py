@@ -97,7 +97,7 @@ def test_muon_resume_is_exact_and_splits_the_parameters(data_dir: Path, tmp_path
                           .named_parameters()}
 
 
-def test_batched_muon_is_torchs_muon_bit_for_bit() -> None:
+def test_batched_muon_is_torchs_muon_within_bfloat16_rounding() -> None:
     def matrices() -> list[torch.nn.Parameter]:
         torch.manual_seed(0)
         return list(hidden_matrices(GPT(MODEL.replace(vocab_size=20, n_layer=3))))
@@ -112,8 +112,14 @@ def test_batched_muon_is_torchs_muon_bit_for_bit() -> None:
             b.grad = a.grad.clone()
         batched.step()
         reference.step()
+    # Newton-Schulz as batched products (bmm) against torch's one matrix at a time (mm): a BLAS may block
+    # them differently, and a flipped bfloat16 rounding moves an update by about lr * 2**-7 (Keller
+    # Jordan's scale 2 times half a bfloat16 step), so within that per step, not bit for bit. A wrong
+    # setting (ns_steps, nesterov, momentum) moves these weights by more than 5e-3.
+    tolerance = 4 * 0.04 * 2**-7  # 4 steps at lr 0.04: 1.25e-3
     for a, b in zip(ours, theirs, strict=True):
-        assert torch.equal(a, b)
+        assert_close(a, b, rtol=0, atol=tolerance)
+        # the momentum is the same elementwise lerp of the same gradients on both sides: bit for bit
         assert torch.equal(batched.state[a]["momentum_buffer"], reference.state[b]["momentum_buffer"])
 
 
@@ -141,6 +147,7 @@ def test_checkpoint_gives_the_same_logits_in_a_fresh_process(data_dir: Path, tmp
     expected = model(idx)[0]
     script = textwrap.dedent(f"""
         import sys, torch
+        from gptlab.inference.loading import load
         lm = load({str(tmp_path / "run")!r})
         model, tokenizer = lm.model, lm.tokenizer
         logits = model(torch.tensor([tokenizer.encode("the cat sat on")]))[0]

@@ -134,15 +134,21 @@ def torch_muon_step(nesterov: bool, ns_steps: int) -> list[torch.Tensor]:
     return [p.detach().clone() for p in matrices]
 
 
+# gptlab's Muon runs Newton-Schulz as batched products (bmm), torch's one matrix at a time (mm): a BLAS may
+# block them differently, and a flipped bfloat16 rounding moves an update by about lr * 2**-7, so within
+# that per step, not bit for bit. 2 steps at lr 0.02: 3.1e-4; a setting changes these weights by > 6e-3.
+MUON_TOLERANCE = dict(rtol=0, atol=2 * 0.02 * 2**-7)
+
+
 def test_muon_settings_reach_the_optimiser_and_the_defaults_are_torchs(one_thread: None) -> None:
     muon = TINY_TRAIN.replace(optimizer="muon", muon_lr=0.02)
     default = muon_step(muon)
-    assert_close(default, torch_muon_step(nesterov=True, ns_steps=5), rtol=0, atol=0)
+    assert_close(default, torch_muon_step(nesterov=True, ns_steps=5), **MUON_TOLERANCE)
     three = muon_step(muon.replace(muon_ns_steps=3))
-    assert_close(three, torch_muon_step(nesterov=True, ns_steps=3), rtol=0, atol=0)
+    assert_close(three, torch_muon_step(nesterov=True, ns_steps=3), **MUON_TOLERANCE)
     assert not all(torch.equal(a, b) for a, b in zip(default, three, strict=True))
     plain = muon_step(muon.replace(muon_nesterov=False))
-    assert_close(plain, torch_muon_step(nesterov=False, ns_steps=5), rtol=0, atol=0)
+    assert_close(plain, torch_muon_step(nesterov=False, ns_steps=5), **MUON_TOLERANCE)
     assert not all(torch.equal(a, b) for a, b in zip(default, plain, strict=True))
 
 

@@ -80,6 +80,9 @@ def file_digest(path: str | Path) -> str:
     return file_sha256(Path(path))
 
 
+MIN_VAL_EXAMPLES = 16  # validation examples from which a best checkpoint is chosen by its loss
+
+
 def split_examples(examples: list[Example], val_fraction: float) -> tuple[list[Example], list[Example]]:
     """Train and validation examples: a fixed shuffle (the same for every run of the same file) holds out
     round(val_fraction * n) examples, at least one; each part keeps the file's order."""
@@ -106,6 +109,8 @@ class SFTData:
         self.summary = loaded.summary()
         train, val = split_examples(loaded.examples, config.val_fraction)
         self.splits = {"train": train, "val": val}
+        # A loss over a few examples cannot tell checkpoints apart: below this, best is the last one.
+        self.selects_best = len(val) >= MIN_VAL_EXAMPLES
 
     def check_window(self, block_size: int) -> None:
         """Nothing to check: `load_examples` already kept every example within block_size + 1 tokens."""
@@ -138,8 +143,11 @@ class SFTData:
 
     def describe(self) -> str:
         """One line: the examples kept and why any were not, and the train/validation split."""
-        return (f"data: {self.summary}; {len(self.splits['train'])} train and {len(self.splits['val'])} "
-                "validation examples")
+        held = len(self.splits["val"])
+        best = "" if self.selects_best else (f" (too few to choose a best checkpoint, under "
+                                              f"{MIN_VAL_EXAMPLES}: best is the last one; hold out more "
+                                              "with --val-fraction)")
+        return f"data: {self.summary}; {len(self.splits['train'])} train and {held} validation examples{best}"
 
 
 def announce(data: SFTData, notes: list[str]) -> None:

@@ -63,6 +63,10 @@ class CommandParser(argparse.ArgumentParser):
                       f"({self.known_options(extra)})\n")
         return parsed, extra
 
+    def error(self, message: str) -> Any:
+        """A bad argument as one line naming it (argparse would print the whole usage first)."""
+        self.exit(EXIT_USAGE, f"gptlab: error: {message} (`{self.prog} --help` lists its options)\n")
+
     def known_options(self, extra: list[str]) -> str:
         """The options close to the `extra` ones, else all of them when they are few, else where they are."""
         options = [o for action in self._actions for o in action.option_strings if o not in ("-h", "--help")]
@@ -77,8 +81,20 @@ class CommandParser(argparse.ArgumentParser):
         return f"`{self.prog} --help` lists its options"
 
 
+class TopParser(argparse.ArgumentParser):
+    """gptlab's own parser: a mistyped command is one line with the commands closest to it."""
+
+    def error(self, message: str) -> Any:
+        """A bad command as one line, with did-you-mean (argparse would print the whole usage first)."""
+        choices = next((a.choices for a in self._actions if isinstance(a, argparse._SubParsersAction)), {})
+        typed = message.split("invalid choice: ", 1)[1].split("'")[1] if "invalid choice: " in message else ""
+        close = difflib.get_close_matches(typed, list(choices or {}), n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}?" if close else "`gptlab --help` lists the commands"
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message.split(' (choose from')[0]} ({hint})\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = TopParser(
         prog="gptlab",
         description="Small Transformer language models (and encoder-decoders), verified against handout #11.",
         epilog="Start with `gptlab lab` to see the handout's numbers reproduced by the library.",
@@ -121,7 +137,10 @@ def error_line(err: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `gptlab` console command: 0 done, 2 a user mistake, 130 Ctrl-C, 143 SIGTERM."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exited:  # --help, --version, or an argument refused in one line: the status
+        return exited.code if isinstance(exited.code, int) else EXIT_USAGE * bool(exited.code)
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[TqdmHandler()], force=True)
     func: Callable[[argparse.Namespace], int] = args.func
     in_main_thread = threading.current_thread() is threading.main_thread()

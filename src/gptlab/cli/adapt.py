@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.adapt.options import DEFAULTS, LORA_LR, SFTConfig
-from gptlab.cli.common import add_config_arguments, add_run_options, config_overrides, report_run
+from gptlab.cli.common import (
+    COUNT,
+    Bounded,
+    OutputFolder,
+    RunPath,
+    add_config_arguments,
+    add_run_options,
+    config_overrides,
+    report_run,
+)
 from gptlab.config import TrainConfig
 
 MARKS = {True: ("\x1b[1;32m", "\x1b[0m"), False: ("[[", "]]")}  # on a terminal: bold green; off one: brackets
@@ -111,10 +120,10 @@ def add_adapt_commands(sub: Any) -> None:
         "end-of-turn marker. Then the counts of trained and untrained tokens over the whole file.",
         epilog="example: gptlab masks runs/base --data chat.jsonl --n 2. Bad data is reported as "
         "FILE:LINE: what is wrong.")
-    p.add_argument("base", metavar="RUN_OR_HF_FOLDER",
+    p.add_argument("base", type=RunPath(), metavar="RUN_OR_HF_FOLDER",
                    help="a gptlab run (its tokenizer, chat template and context) or a Hugging Face folder")
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="the fine-tuning examples")
-    p.add_argument("--n", type=int, default=3, help="how many examples to show (default 3)")
+    p.add_argument("--n", type=COUNT, default=3, help="how many examples to show (default 3)")
     p.add_argument("--loss-on", choices=("completion", "all"), default="completion",
                    help="completion: only completions and assistant turns are trained (default); all: "
                    "every token")
@@ -129,8 +138,8 @@ def add_adapt_commands(sub: Any) -> None:
         "run: each adapted weight becomes W + (alpha / r) B A, summed in float32. The merged run needs no "
         "base run and gives the adapted run's logits to float rounding.",
         epilog="example: gptlab merge runs/lora --out runs/merged")
-    m.add_argument("run", help="a run trained with gptlab finetune --lora")
-    m.add_argument("--out", required=True, help="new or empty folder for the merged run")
+    m.add_argument("run", type=RunPath(), help="a run trained with gptlab finetune --lora")
+    m.add_argument("--out", required=True, type=OutputFolder(), help="new or empty folder for the merged run")
     m.set_defaults(func=cmd_merge)
 
 
@@ -150,18 +159,21 @@ def add_finetune_command(sub: Any) -> None:
         "continues exactly.",
         epilog="example: gptlab finetune runs/base --data tasks.jsonl --out runs/tuned --lora 8. Bad data "
         "is reported as FILE:LINE: what is wrong.")
-    p.add_argument("base", metavar="BASE", help="the run to start from (its best checkpoint)")
+    p.add_argument("base", type=RunPath(), metavar="BASE", help="the run to start from (its best checkpoint)")
     p.add_argument("--data", required=True, metavar="FILE.jsonl", help="the fine-tuning examples")
-    p.add_argument("--out", required=True, help="new or empty folder for the run (with --resume: the run)")
+    p.add_argument("--out", required=True, type=OutputFolder(),
+                   help="new or empty folder for the run (with --resume: the run)")
     add_run_options(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_arguments(p, SFTConfig, "data options", exclude=("data",))
     lora = p.add_argument_group("LoRA options")
-    lora.add_argument("--lora", type=int, metavar="R", help="train rank-R adapters on the frozen base "
+    lora.add_argument("--lora", type=COUNT, metavar="R", help="train rank-R adapters on the frozen base "
                       "instead of every weight")
-    lora.add_argument("--lora-alpha", type=float, help="adapter scale numerator: updates are multiplied by "
+    lora.add_argument("--lora-alpha", type=Bounded(float, 0),
+                      help="adapter scale numerator: updates are multiplied by "
                       "alpha / R (default 16)")
-    lora.add_argument("--lora-dropout", type=float, help="dropout on the adapters' input (default 0)")
+    lora.add_argument("--lora-dropout", type=Bounded(float, 0, 1),
+                      help="dropout on the adapters' input (default 0)")
     lora.add_argument("--lora-targets", nargs="+", metavar="PATTERN", help="linear layers to adapt, by "
                       "name pattern (default: attn.c_attn attn.c_proj mlp.c_fc mlp.c_gate mlp.c_proj)")
     shown = {**{name: str(value) for name, value in DEFAULTS.items()},

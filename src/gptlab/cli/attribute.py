@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.common import add_device_option, check_out
+from gptlab.cli.common import COUNT, Bounded, InputFile, OutputFile, RunPath, add_device_option, check_out
 
 METHODS = ("exact", "eap", "eap-ig", "eap-dest")
 EXACT_LAYERS = 4  # gptlab.inspection.edges.EXACT_LAYERS, kept here so that --help imports no torch
@@ -56,17 +56,20 @@ def score(args: argparse.Namespace, model: Any, pairs: list[Any], method: str) -
 
 
 def cmd_attribute(args: argparse.Namespace) -> int:
-    """Score every edge; certify an estimate against exact patching where the model is small enough."""
-    from gptlab.inspection.attribution import certify
+    """Score every edge; certify an estimate against exact patching where the model is small enough and
+    the pairs separate clean from corrupted (else say why there is no certificate)."""
+    from gptlab.inspection.attribution import certify, unseparated
     from gptlab.inspection.graph_view import save_graph_png
 
+    if args.top < 1:
+        raise ValueError(f"--top={args.top}: show and compare at least one edge (--top 1 or more)")
     model, _, pairs = load_pairs(args)
     result = score(args, model, pairs, args.method)
-    certificate = None
-    if args.method != "exact" and model.config.n_layer <= EXACT_LAYERS:
+    certificate, problem = None, unseparated(result.clean, result.corrupt)
+    if args.method != "exact" and model.config.n_layer <= EXACT_LAYERS and problem is None:
         certificate = certify(result, score(args, model, pairs, "exact"), args.top)
     if args.json:
-        print(json.dumps(result.to_json() | {"steps": result.steps,
+        print(json.dumps(result.to_json() | {"steps": result.steps, "separated": problem is None,
                                              "certificate": certificate and certificate.to_json()}))
     else:
         print(f"m = logit(target) - logit(foil) after the last token, mean over {result.pairs} pair(s): "
@@ -75,6 +78,9 @@ def cmd_attribute(args: argparse.Namespace) -> int:
               "carries the corrupted run's value. The largest by |score|:")
         for name, value in result.ranked()[:args.top]:
             print(f"  {name:<28} {value:+.4f}")
+        if problem is not None:
+            print(f"{problem}: the scores are changes in a difference that hardly exists, with no order "
+                  "worth certifying")
         if certificate is not None:
             print(f"certificate against exact patching, over all {len(result.names)} edges: Spearman "
                   f"{certificate.spearman:.3f} of |score| ({certificate.signed_spearman:.3f} signed); "
@@ -126,14 +132,16 @@ def cmd_circuit(args: argparse.Namespace) -> int:
 
 def add_pair_options(parser: argparse.ArgumentParser) -> None:
     """The run, the prompts and the method: what attribute and circuit share."""
-    parser.add_argument("run", help="run folder or checkpoint file (from gptlab train or import-hf)")
+    parser.add_argument("run", type=RunPath(),
+                        help="run folder or checkpoint file (from gptlab train or import-hf)")
     parser.add_argument("--clean", help="the prompt whose prediction is studied")
     parser.add_argument("--corrupt", help="the same prompt changed where the prediction should depend on it; "
                         "it must tokenize to the same length")
     parser.add_argument("--target", help="the clean answer, exactly one token")
     parser.add_argument("--foil", help="the token it is compared with, exactly one token (default: the "
                         "corrupted run's likeliest other token)")
-    parser.add_argument("--pairs", metavar="FILE.jsonl", help='many pairs, one {"clean", "corrupt", '
+    parser.add_argument("--pairs", metavar="FILE.jsonl", type=InputFile(),
+                        help='many pairs, one {"clean", "corrupt", '
                         '"target", "foil"} object a line (foil optional); scores are averaged over them, '
                         "signs kept")
     parser.add_argument("--method", choices=METHODS, default="eap-ig", help="exact: cut each edge for real "
@@ -141,10 +149,12 @@ def add_pair_options(parser: argparse.ArgumentParser) -> None:
                         "eap-ig: the gradient integrated from the clean to the corrupted input (default); "
                         "eap-dest: each edge's destination (head, MLP, logits) recomputed for real, linear "
                         "after it (the closest to exact, at a fraction of its cost on deeper models)")
-    parser.add_argument("--steps", type=int, default=16, help="points of the integral of eap-ig (default 16)")
+    parser.add_argument("--steps", type=COUNT, default=16,
+                        help="points of the integral of eap-ig (default 16)")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing "
                         "else (progress goes to stderr)")
-    parser.add_argument("--out", metavar="FILE.png", help="also draw the graph's edges into this picture")
+    parser.add_argument("--out", metavar="FILE.png", type=OutputFile(),
+                        help="also draw the graph's edges into this picture")
     parser.add_argument("--force", action="store_true", help=FORCE)
     add_device_option(parser)
 
@@ -162,7 +172,7 @@ def add_attribution_commands(sub: Any) -> None:
     add_pair_options(at)
     at.add_argument("--edges", action="append", metavar="PATTERN", help="score only the edges whose names "
                     f"match (a0.h1->a1.*, repeatable); exact patching needs it above {EXACT_LAYERS} layers")
-    at.add_argument("--top", type=int, default=10, help="edges shown, drawn and compared (default 10)")
+    at.add_argument("--top", type=COUNT, default=10, help="edges shown, drawn and compared (default 10)")
     at.set_defaults(func=cmd_attribute)
     ci = sub.add_parser("circuit", help="the fewest edges, by attribution, that keep a share of the "
                         "prediction", description="Rank the edges by |attribution|, then take the shortest "
@@ -171,7 +181,8 @@ def add_attribution_commands(sub: Any) -> None:
                         "(m(circuit) - m(corrupt)) / (m(clean) - m(corrupt)) and completeness, the share of "
                         "the same difference that cutting the circuit alone removes.")
     add_pair_options(ci)
-    ci.add_argument("--keep", type=float, default=0.8, help="share of m the circuit must keep (default 0.8)")
+    ci.add_argument("--keep", type=Bounded(float, 0, 1), default=0.8,
+                    help="share of m the circuit must keep (default 0.8)")
     ci.add_argument("--known", action="append", metavar="PATTERN", help="edges known to belong to the "
                     "circuit (names or patterns, repeatable): report the circuit's precision and recall "
                     "against them")

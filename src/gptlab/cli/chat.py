@@ -13,7 +13,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from gptlab.cli.common import add_config_arguments, add_device_option, add_weight_options, config_overrides
+from gptlab.cli.common import (
+    RunPath,
+    add_config_arguments,
+    add_device_option,
+    add_weight_options,
+    config_overrides,
+)
 from gptlab.config import SAMPLE_DEFAULTS, SamplingConfig
 
 if TYPE_CHECKING:  # torch is imported when a command runs, not when the parser is built
@@ -96,7 +102,7 @@ def add_chat_command(sub: Any) -> None:
         "Options not given take the run's own defaults (generation_config.json), then gptlab sample's.",
         epilog='example: gptlab chat runs/sft --message "What is 2 + 3?" --temperature 0',
     )
-    chat.add_argument("run", help="a run folder or checkpoint file (fine-tuned for chat)")
+    chat.add_argument("run", type=RunPath(), help="a run folder or checkpoint file (fine-tuned for chat)")
     chat.add_argument("--message", action="append", metavar="TEXT", help="a user turn to answer, then exit; "
                       "repeat it for several turns of one conversation, answered in order")
     chat.add_argument("--system", metavar="TEXT", help="a system message that opens the conversation")

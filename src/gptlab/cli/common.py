@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import sys
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -110,18 +111,26 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_cls: type[Confi
             )
         elif typing.get_origin(kind) is tuple:  # a list of strings or numbers: the option may be repeated
             item = typing.get_args(kind)[0]
-            group.add_argument(*flags, dest=field.name, nargs="+", action="extend", type=item,
+            group.add_argument(*flags, dest=field.name, nargs="+", action="extend",
+                               type=Bounded(item) if item in (int, float) else item,
                                metavar="S" if item is str else "N", default=argparse.SUPPRESS, help=help_text)
         else:
             kind = next((k for k in typing.get_args(kind) if k is not type(None)), kind)  # X | None -> X
+            if kind is bool:  # an optional bool (None: the model's own choice), given as true or false
+                group.add_argument(*flags, dest=field.name, type=true_or_false, metavar="BOOL",
+                                   default=argparse.SUPPRESS, help=help_text)
+                continue
             if typing.get_origin(kind) is dict:  # a mapping (logit_bias), given as one JSON object
                 group.add_argument(*flags, dest=field.name, type=json_object, metavar="JSON",
                                    default=argparse.SUPPRESS, help=help_text)
                 continue
             choices = field.metadata.get("choices")
+            optional = type(None) in typing.get_args(hints[field.name])  # "none" leaves it unset
+            shown_kind = kind.__name__.upper() + "|none" * optional
             group.add_argument(
-                *flags, dest=field.name, type=kind, choices=choices,
-                metavar="{" + ",".join(choices) + "}" if choices else kind.__name__.upper(),
+                *flags, dest=field.name, choices=choices,
+                type=Bounded(kind, none=optional) if kind in (int, float) else kind,
+                metavar="{" + ",".join(choices) + "}" if choices else shown_kind,
                 default=argparse.SUPPRESS, help=help_text,
             )
 
@@ -135,6 +144,14 @@ def json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object such as '{{\"0\": -100}}'")
     return value
+
+
+def true_or_false(text: str) -> bool:
+    """An option's value read as true or false (yes/no, 1/0), else argparse's error."""
+    words = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+    if text.lower() not in words:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
+    return words[text.lower()]
 
 
 def config_overrides(args: argparse.Namespace, config_cls: type[Config]) -> dict[str, Any]:
@@ -158,8 +175,11 @@ def report_run(result: Any, out: Path, evaluate: Callable[[], str] | None = None
     state = "interrupted at" if result.interrupted else "finished at"
     print(f"\n{state} step {result.step}: {result.tokens_per_s:,.0f} tokens/s, "
           f"{result.elapsed_s:.0f} s of training", flush=True)
-    print(evaluate() if evaluate else f"best validation loss {result.best_val_loss:.4f} (estimated during "
-          "training on sampled batches of the val split)")
+    if evaluate is None and math.isinf(result.best_val_loss):
+        print("no evaluation since step 0: the run is read from its last checkpoint")
+    else:
+        print(evaluate() if evaluate else f"best validation loss {result.best_val_loss:.4f} (estimated "
+              "during training on sampled batches of the val split)")
     names = ["best.safetensors", "best.shards.json", "last.safetensors", "last.shards.json", "shards",
              "metrics.csv", "steps.csv", "loss.png", "tensorboard", "wandb"]  # shards and --log's: folders
     kept = [f"{name}/" if (out / name).is_dir() else name for name in names if (out / name).exists()]
@@ -181,7 +201,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                         "(and --data for a moved run) may be given: a larger --max-steps extends a finished "
                         "run, keeping the "
                         "learning-rate schedule of its first max_steps and holding min_lr after it")
-    parser.add_argument("--stop-at", type=int, metavar="STEP", help="stop (and save) at this step, keeping "
+    parser.add_argument("--stop-at", type=NATURAL, metavar="STEP",
+                        help="stop (and save) at this step, keeping "
                         "the schedule of the full run; resume later with --resume")
 
 
@@ -225,3 +246,110 @@ def speculation_of(args: argparse.Namespace) -> SpeculationConfig | None:
     except ValueError as err:
         raise ValueError(str(err).replace("SpeculationConfig.draft_tokens", "--draft-tokens")
                          .replace("SpeculationConfig.ngram", "--ngram")) from None
+
+
+class Bounded:
+    """An option's number type whose range argparse (and the command contract test) can read: an int or a
+    float, finite, within [low, high] (None: no bound); anything else is argparse's one-line error."""
+
+    def __init__(self, kind: type[int] | type[float], low: float | None = None, high: float | None = None,
+                 none: bool = False) -> None:
+        """`none`: the word none is also a value (None), for a setting that may be left unset."""
+        self.kind, self.low, self.high, self.none = kind, low, high, none
+        self.__name__ = kind.__name__  # argparse's name for the type in its messages
+
+    def __call__(self, text: str) -> int | float | None:
+        if self.none and text.lower() == "none":
+            return None
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {self.describe()}") from None
+        below = self.low is not None and value < self.low
+        if not math.isfinite(value) or below or (self.high is not None and value > self.high):
+            raise argparse.ArgumentTypeError(f"{text} is not {self.describe()}")
+        return value
+
+    def describe(self) -> str:
+        """What a valid value is, in words: "an integer from 0 to 65535", "a number of at least 0", ..."""
+        what = ("none or " if self.none else "") + ("an integer" if self.kind is int else "a finite number")
+        if self.low is not None and self.high is not None:
+            return f"{what} from {self.low:g} to {self.high:g}"
+        if self.low is not None:
+            return f"{what} of at least {self.low:g}"
+        return what if self.high is None else f"{what} of at most {self.high:g}"
+
+    def outside(self) -> list[str]:
+        """Values this type refuses (for the command contract test): just past each bound, and infinities
+        and NaN."""
+        step = 1 if self.kind is int else 1e-6 * max(1.0, abs(self.low or 0), abs(self.high or 0))
+        past = [self.low - step] if self.low is not None else []
+        past += [self.high + step] if self.high is not None else []
+        return [repr(self.kind(v)) for v in past] + ["inf", "-inf", "nan"]
+
+
+COUNT = Bounded(int, 1)  # how many of something: at least one
+NATURAL = Bounded(int, 0)  # an index, a seed, a step, or a count that may be zero
+
+
+class InputFile:
+    """An option's file to read, checked as argparse reads it: it exists, is a file and (`text`) is UTF-8;
+    the value stays the path as given."""
+
+    __name__ = "file"
+
+    def __init__(self, text: bool = True) -> None:
+        self.text = text
+
+    def __call__(self, value: str) -> str:
+        path = Path(value)
+        if path.is_dir():
+            raise argparse.ArgumentTypeError(f"{value} is a folder: give a file")
+        if not path.is_file():
+            raise argparse.ArgumentTypeError(f"{value}: no such file")
+        if self.text:
+            from gptlab.data.corpora import read_utf8  # numpy, only when the option is given
+
+            try:
+                read_utf8(path)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(str(err)) from None
+        return value
+
+
+class RunPath:
+    """A run folder, checkpoint file or Hugging Face folder to read: it must exist (a name that exists
+    under runs/ is suggested)."""
+
+    __name__ = "run"
+
+    def __call__(self, value: str) -> str:
+        if Path(value).exists():
+            return value
+        beside = Path("runs") / value
+        hint = f": did you mean {beside}?" if beside.exists() else ": give a run folder or checkpoint file"
+        raise argparse.ArgumentTypeError(f"no run folder or checkpoint at {value}{hint}")
+
+
+class OutputFile:
+    """A file a command writes: not a folder (whether an existing file may be replaced is the command's
+    rule, `check_out`)."""
+
+    __name__ = "output file"
+
+    def __call__(self, value: str) -> str:
+        if Path(value).is_dir():
+            raise argparse.ArgumentTypeError(f"{value} is a folder: give a file name")
+        return value
+
+
+class OutputFolder:
+    """A folder a command writes: not an existing file (whether an existing folder may be reused is the
+    command's rule)."""
+
+    __name__ = "output folder"
+
+    def __call__(self, value: str) -> str:
+        if Path(value).is_file():
+            raise argparse.ArgumentTypeError(f"{value} is a file: give a folder")
+        return value

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from typing import Any
 
-from gptlab.cli.common import config_overrides
+from gptlab.cli.common import COUNT, OutputFolder, config_overrides
 from gptlab.config import ModelConfig, SettingError, TrainConfig
 
 
@@ -92,9 +92,10 @@ def add_compare_command(sub: Any) -> None:
                      "lr=3e-3,6e-3; repeat for a product of several")
     cmp.add_argument("--seeds", default="3", metavar="N", help="train each cell with seeds 1..N, or with "
                      "the seeds listed (1,5,9) (default 3)")
-    cmp.add_argument("--out", help="folder of the comparison (created; the same --out continues it); "
+    cmp.add_argument("--out", type=OutputFolder(),
+                     help="folder of the comparison (created; the same --out continues it); "
                      "required except with --dry-run")
-    cmp.add_argument("--jobs", type=int, metavar="N", help="runs trained at once, the cores shared among "
+    cmp.add_argument("--jobs", type=COUNT, metavar="N", help="runs trained at once, the cores shared among "
                      "them (default: one per core, one thread each)")
     cmp.add_argument("--baseline", metavar="CELL", help="the cell the others are compared with, by name "
                      "(positions=learned) or values (learned) (default: the first)")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.common import add_device_option, add_weight_options
+from gptlab.cli.common import COUNT, NATURAL, OutputFile, RunPath, add_device_option, add_weight_options
 from gptlab.config import CORPORA
 
 BENCHMARK_BATCH = 16  # requests per forward pass of `gptlab eval --tasks`
@@ -70,14 +70,14 @@ def benchmark_list() -> str:
 
 def benchmark_report(args: argparse.Namespace) -> str:
     """Score the --tasks on the run's model, write lm-eval's JSON layout to --output, and return a table."""
-    from gptlab.checkpoint import load_for_inference
-    from gptlab.common import resolve_device
     from gptlab.evaluation.results import evaluate_benchmarks, lm_eval_layout, table
+    from gptlab.inference.loading import load
 
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not names:
         raise ValueError("--tasks is empty: name one or more tasks, e.g. --tasks hellaswag,piqa (see --list)")
-    model, tokenizer = load_for_inference(args.run, resolve_device(args.device), args.dtype, args.quantize)
+    lm = load(args.run, device=args.device, dtype=args.dtype, quantize=args.quantize)
+    model, tokenizer = lm.model, lm.tokenizer
     batch_size = args.batch_size or BENCHMARK_BATCH
     bar, announce = progress_modes(args)
     results, refused = evaluate_benchmarks(model, tokenizer, names, args.variant, args.shots, args.limit,
@@ -106,11 +106,11 @@ def add_eval_command(sub: Any) -> None:
                         "scores them (acc, acc_norm, bits per byte, standard errors).",
                         epilog="example: gptlab eval runs/demo --tasks hellaswag,arc_easy,arc_challenge,piqa,"
                         "winogrande,lambada --limit 200 --output results.json")
-    ev.add_argument("run", nargs="?", help="run folder or checkpoint file")
+    ev.add_argument("run", type=RunPath(), nargs="?", help="run folder or checkpoint file")
     ev.add_argument("--data", default="val", help="train or val (the run's own splits), a prepared folder "
                     "(its val split), or " + source_help)
     amount = ev.add_mutually_exclusive_group()
-    amount.add_argument("--max-tokens", type=int, metavar="N", help="score the first N tokens of the text "
+    amount.add_argument("--max-tokens", type=COUNT, metavar="N", help="score the first N tokens of the text "
                         "(default 262,144: the figure the end of gptlab train prints, the same tokens)")
     amount.add_argument("--all", action="store_true", help="score every token of the text (a demo's val "
                         "split is about twice the default, and takes twice as long)")
@@ -121,12 +121,14 @@ def add_eval_command(sub: Any) -> None:
                        help="list the tasks, their variants and document counts")
     bench.add_argument("--variant",
                        help="the OLMES variant of every task (default rc_0shot; LAMBADA bpb_0shot)")
-    bench.add_argument("--shots", type=int, help="the rc variant with this many examples in the prompt, "
+    bench.add_argument("--shots", type=NATURAL, help="the rc variant with this many examples in the prompt, "
                        "where the files have one (e.g. 5)")
-    bench.add_argument("--limit", type=int, metavar="N", help="score only the first N documents of each task")
-    bench.add_argument("--batch-size", type=int,
+    bench.add_argument("--limit", type=COUNT, metavar="N",
+                       help="score only the first N documents of each task")
+    bench.add_argument("--batch-size", type=COUNT,
                        help=f"requests per forward pass (default {BENCHMARK_BATCH})")
-    bench.add_argument("--output", metavar="FILE.json", help="write the results in lm-eval's JSON layout")
+    bench.add_argument("--output", metavar="FILE.json", type=OutputFile(),
+                       help="write the results in lm-eval's JSON layout")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar on a terminal, and no line "
                     "per stage elsewhere")
     add_device_option(ev)

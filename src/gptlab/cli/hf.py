@@ -7,6 +7,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from gptlab.cli.common import OutputFile, RunPath
+
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
     """Write a run as a Hugging Face GPT-2, Llama or Qwen2 folder."""
@@ -68,7 +70,7 @@ def add_hf_commands(sub: Any) -> None:
         "adapter_model.safetensors), which peft.PeftModel.from_pretrained(base, OUT_DIR/adapter) puts on "
         "the base with the run's logits.",
     )
-    ex.add_argument("run", help="run folder or checkpoint file")
+    ex.add_argument("run", type=RunPath(), help="run folder or checkpoint file")
     ex.add_argument("out_dir", help="new or empty folder to write")
     ex.add_argument("--adapter-only", action="store_true",
                     help="for a LoRA run: write only its PEFT adapter into OUT_DIR, for a base exported "
@@ -85,7 +87,7 @@ def add_hf_commands(sub: Any) -> None:
         "kept, and generation_config.json's temperature, top_p, top_k and max_new_tokens become the run's "
         "sampling defaults. Shards are read one at a time. Nothing is downloaded.",
     )
-    im.add_argument("hf_dir", help="folder written by save_pretrained")
+    im.add_argument("hf_dir", type=RunPath(), help="folder written by save_pretrained")
     im.add_argument("out_dir", help="new or empty run folder to write")
     im.set_defaults(func=cmd_import_hf)
 
@@ -101,8 +103,8 @@ def add_hf_commands(sub: Any) -> None:
         "every such setting at once, with the nearest setting that exports. f32 keeps every weight bit for "
         "bit; f16 and q8_0 keep norms and biases in f32.",
     )
-    gg.add_argument("run", help="run folder or checkpoint file")
-    gg.add_argument("--out", required=True, help="the .gguf file to write")
+    gg.add_argument("run", type=RunPath(), help="run folder or checkpoint file")
+    gg.add_argument("--out", required=True, type=OutputFile(), help="the .gguf file to write")
     gg.add_argument("--type", default="f32", choices=("f32", "f16", "q8_0"),
                     help="weight type of the matrices (default f32: exact)")
     gg.set_defaults(func=cmd_export_gguf)

@@ -7,7 +7,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gptlab.cli.common import add_device_option, check_out, note_long_prompt
+from gptlab.cli.common import (
+    COUNT,
+    NATURAL,
+    Bounded,
+    OutputFile,
+    RunPath,
+    add_device_option,
+    check_out,
+    note_long_prompt,
+)
 from gptlab.config import DETECTORS, DTYPES
 
 
@@ -316,7 +325,8 @@ def command(sub: Any, name: str, help: str, description: str,
     """An inspection command's parser: the run, --prompt and --device. A prompt longer than the context
     window is `prompt`: "refused" (the command names positions in it), "cropped" or "none" (no --prompt)."""
     parser = sub.add_parser(name, help=help, description=description)
-    parser.add_argument("run", help="run folder or checkpoint file (from gptlab train or import-hf)")
+    parser.add_argument("run", type=RunPath(),
+                        help="run folder or checkpoint file (from gptlab train or import-hf)")
     if prompt != "none":
         longer = ("at most block_size tokens, never cropped: positions are named in it" if prompt == "refused"
                   else "a longer one is read from its last block_size tokens, and a note says so")
@@ -335,10 +345,11 @@ def add_attention_command(sub: Any) -> None:
                  "kernel; the weights are recomputed only for the layers and heads drawn. For a seq2seq run "
                  "(gptlab seq2seq train), --prompt is the source and FILE.png shows cross-attention: rows "
                  "are the answer's tokens, columns the source's.", prompt="cropped")
-    at.add_argument("--out", required=True, metavar="FILE.png|FILE.html", help="the picture or page to write")
+    at.add_argument("--out", required=True, metavar="FILE.png|FILE.html", type=OutputFile(),
+                    help="the picture or page to write")
     at.add_argument("--force", action="store_true", help=FORCE)
-    at.add_argument("--layer", type=int, help="draw only this layer (default: all)")
-    at.add_argument("--head", type=int, help="draw only this head (default: all)")
+    at.add_argument("--layer", type=NATURAL, help="draw only this layer (default: all)")
+    at.add_argument("--head", type=NATURAL, help="draw only this head (default: all)")
     at.set_defaults(func=cmd_attention)
 
 
@@ -353,7 +364,7 @@ def add_ablate_command(sub: Any) -> None:
                     "(default: the model's own top prediction)")
     ab.add_argument("--sort", choices=("zero", "mean"), default="zero",
                     help="which ablation orders the table (default zero)")
-    ab.add_argument("--out", default="ablation.png", metavar="FILE.png",
+    ab.add_argument("--out", default="ablation.png", metavar="FILE.png", type=OutputFile(),
                     help="the heatmap to write (default ablation.png)")
     ab.add_argument("--force", action="store_true", help=FORCE)
     ab.set_defaults(func=cmd_ablate)
@@ -367,9 +378,9 @@ def add_intervene_command(sub: Any) -> None:
                  "token indices from 0; negative ones count from the end (write --replace=-1=x).")
     iv.add_argument("--replace", action="append", default=[], metavar="POS=TOKEN",
                     help="put TOKEN (text that is exactly one token) at position POS; repeatable")
-    iv.add_argument("--drop", action="append", default=[], type=int, metavar="POS",
+    iv.add_argument("--drop", action="append", default=[], type=Bounded(int), metavar="POS",
                     help="remove the token at position POS; repeatable")
-    iv.add_argument("--top", type=int, default=5,
+    iv.add_argument("--top", type=COUNT, default=5,
                     help="how many of the likeliest tokens to show, before and after (default 5)")
     iv.set_defaults(func=cmd_intervene)
 
@@ -388,7 +399,7 @@ def add_verify_command(sub: Any) -> None:
                  "run: rows (cross-attention too), padding ignored exactly, decoder causality, every "
                  "target position reading every source token, cached = recomputed decoding, tying. Exits "
                  "1 if any fails.", prompt="none")
-    ve.add_argument("--seed", type=int, default=0, help="seed of the random test prompts (default 0)")
+    ve.add_argument("--seed", type=NATURAL, default=0, help="seed of the random test prompts (default 0)")
     ve.add_argument("--dtype", choices=DTYPES, default="float32",
                     help="check the model in this precision; bfloat16 adds its logits' difference to "
                     "float32, and tolerances follow the dtype's epsilon (default float32)")
@@ -403,9 +414,9 @@ def add_lens_command(sub: Any) -> None:
                  "probability of the token that actually comes next. Prints a table and writes a stages x "
                  "positions heatmap (FILE.png) or a page to hover (FILE.html). The last stage is the "
                  "model's own output.")
-    le.add_argument("--out", default="lens.png", metavar="FILE.png|FILE.html",
+    le.add_argument("--out", default="lens.png", metavar="FILE.png|FILE.html", type=OutputFile(),
                     help="the heatmap or page to write (default lens.png)")
-    le.add_argument("--position", type=int, help="print the top five at every stage for this token "
+    le.add_argument("--position", type=Bounded(int), help="print the top five at every stage for this token "
                     "position instead of the table (negative counts from the end)")
     le.add_argument("--force", action="store_true", help=FORCE)
     le.set_defaults(func=cmd_lens)
@@ -426,7 +437,8 @@ def add_patch_command(sub: Any) -> None:
                     "prediction)")
     pa.add_argument("--foil", help="the token it is compared with, exactly one token (default: the "
                     "corrupted run's likeliest other token)")
-    pa.add_argument("--out", default="patch.png", metavar="FILE.png", help="the heatmaps (default patch.png)")
+    pa.add_argument("--out", default="patch.png", metavar="FILE.png", type=OutputFile(),
+                    help="the heatmaps (default patch.png)")
     pa.add_argument("--force", action="store_true", help=FORCE)
     pa.set_defaults(func=cmd_patch)
 
@@ -443,16 +455,17 @@ def add_heads_command(sub: Any) -> None:
                  "recorded at every evaluation (gptlab train --track-heads) beside its losses.",
                  prompt="none")
     he.add_argument("--sort", choices=DETECTORS, default="induction", help="the score that orders the table")
-    he.add_argument("--layer", type=int, help="only this layer (default: all)")
-    he.add_argument("--head", type=int, help="only this head (default: all)")
+    he.add_argument("--layer", type=NATURAL, help="only this layer (default: all)")
+    he.add_argument("--head", type=NATURAL, help="only this head (default: all)")
     he.add_argument("--json", action="store_true", help="print one JSON object per head (layer, head and "
                     "one field per detector) instead of the table")
     he.add_argument("--ablate", action="store_true", help="also zero each head and report the change in "
                     "the loss on the repeats (nats)")
     he.add_argument("--history", action="store_true", help="plot the scores recorded during training "
                     "against steps, beside the losses (a run trained with --track-heads)")
-    he.add_argument("--seed", type=int, default=0, help="seed of the random sequences (default 0)")
-    he.add_argument("--out", metavar="FILE.png", help="the picture to write (default heads.png, or "
+    he.add_argument("--seed", type=NATURAL, default=0, help="seed of the random sequences (default 0)")
+    he.add_argument("--out", metavar="FILE.png", type=OutputFile(),
+                    help="the picture to write (default heads.png, or "
                     "heads-history.png with --history; with --json only when given)")
     he.add_argument("--force", action="store_true", help=FORCE)
     he.set_defaults(func=cmd_heads)

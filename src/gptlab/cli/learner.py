@@ -7,7 +7,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from gptlab.cli.common import COUNT, Bounded, OutputFile, OutputFolder
+
+if TYPE_CHECKING:
+    from gptlab.handout.learner.isolate import FileReport
 
 CHECK_DESCRIPTION = """\
 Import each FILE.py (your own implementation) and run every check of handout #11 that applies to
@@ -26,13 +31,14 @@ was expected, what was measured and the most likely cause with its fix. The docu
 
 A check that cannot apply (no weights to set, no mask argument) is SKIPped with the reason, never
 passed. A folder given as FILE.py means the .py files in it. Each file runs in a child process of
-its own with a time limit and a memory limit, so an endless loop, an allocation without bound or a
-crash is one line naming the file; on Linux the children are forked from one process that imported
-torch once, so only the first file waits for torch's import, and --jobs N checks N at a time (the
-report keeps the files' order). This is isolation against mistakes, NOT a sandbox: the file's code
-runs with your rights, so check only code you would run yourself (or run gptlab check inside a
-container). Exit status: 0 every check that applies passed, 1 a check failed or a file could not be
-checked, 2 a usage mistake."""
+its own with a time limit and a memory limit, on a copy of itself and of the modules and packages it
+imports from its folder (never another FILE.py of the command), so an endless loop, an allocation
+without bound or a crash is one line naming the file; on Linux the children are forked from one
+process that imported torch once, so only the first file waits for torch's import, and --jobs N
+checks N at a time (the report keeps the files' order). This is isolation against mistakes,
+NOT a sandbox: the file's code runs with your rights, so check only code you would run yourself (or
+run gptlab check inside a container). Exit status: 0 every check that applies passed, 1 a check
+failed or a file could not be checked, 2 a usage mistake."""
 
 CHECK_EPILOG = """\
 examples:
@@ -78,50 +84,47 @@ def learner_files(names: list[str]) -> list[Path]:
     return paths
 
 
+def refuse_outputs(args: argparse.Namespace, paths: list[Path]) -> None:
+    """Refuse, before anything runs, a --csv or --html that would replace a file gptlab check did not write
+    (its own earlier grades and pages are written again: the same command twice just works)."""
+    from gptlab.files import written_by_gptlab
+    from gptlab.handout.learner.outputs import grades_written_by_check, page_file
+
+    grades, folder = Path(args.csv or ""), Path(args.html or "")
+    if args.csv and grades.is_dir():
+        raise ValueError(f"--csv {grades} is a folder: give the file to write the grades to")
+    if args.csv and grades.exists() and not grades_written_by_check(grades):
+        raise ValueError(f"--csv {grades} exists and was not written by gptlab check: move it, or give "
+                         "another file")
+    if args.html and folder.exists() and not folder.is_dir():
+        raise ValueError(f"--html {folder} is a file: give a folder for the pages")
+    pages = [page_file(folder, path) for path in paths] if args.html else []
+    for page in pages:
+        if page.exists() and not written_by_gptlab(page):
+            raise ValueError(f"--html {folder}: {page} exists and was not written by gptlab: move it, or "
+                             "give another folder")
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     """Check each file in its own child process, --jobs at a time, print the reports in the files' order,
-    write the files asked for."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    write the files asked for (the CSV as each file is graded, so it outlives an interruption)."""
     from gptlab.handout.learner import server
 
-    paths = learner_files(args.files)
-    if server.FORK_SERVER:
-        server.connection()  # started now, its torch import overlaps this process's, just below
-    from gptlab.handout.learner.formats import (
-        json_records,
-        succeeded,
-        text_lines,
-        write_csv,
-        write_gradescope,
-    )
-    from gptlab.handout.learner.grade import Names
-    from gptlab.handout.learner.isolate import check_file
     if args.timeout <= 0 or args.memory_mb <= 0:
         raise ValueError("--timeout and --memory-mb must be positive")
     if args.jobs < 1:
         raise ValueError("--jobs must be at least 1")
-    given = {"attention": args.attention, "heads": args.heads, "block": args.block, "model": args.model}
-    names = Names(**{field: value for field, value in given.items() if value is not None})
-    reports = []
-    pool = ThreadPoolExecutor(args.jobs)
-    try:
-        for report in pool.map(lambda path: check_file(path, names, args.timeout, args.memory_mb,
-                                                       pictures=bool(args.html), learning=args.learning),
-                               paths):
-            reports.append(report)
-            if not args.json:
-                print("\n".join(text_lines(report, args.verbose)), flush=True)
-    finally:  # the check server ends with the command; interrupted, running checks are killed now
-        pool.shutdown(wait=False, cancel_futures=True)
-        server.stop_server()
-        pool.shutdown()
+    paths = learner_files(args.files)
+    refuse_outputs(args, paths)
+    if server.FORK_SERVER:
+        server.connection()  # started now, its torch import overlaps this process's, just below
+    from gptlab.handout.learner.formats import json_records, succeeded, write_gradescope
+
+    reports = check_all(args, paths)
     if args.json:
         print("[" + ",\n".join(json.dumps(record, allow_nan=False) for record in json_records(reports)) + "]")
     if args.gradescope:
         write_gradescope(reports, Path(args.gradescope))
-    if args.csv:
-        write_csv(reports, Path(args.csv))
     if args.html:
         from gptlab.handout.learner.page import write_page
 
@@ -131,6 +134,43 @@ def cmd_check(args: argparse.Namespace) -> int:
     if len(reports) > 1 and not args.json:
         print(f"\n{sum(map(succeeded, reports))} of {len(reports)} files passed every check that applies")
     return 0 if all(map(succeeded, reports)) else 1
+
+
+def check_all(args: argparse.Namespace, paths: list[Path]) -> list[FileReport]:
+    """The reports of `paths`, checked --jobs at a time, each printed as it comes in the files' order (as
+    text, without --json); each file's row is written to --csv as soon as it is graded. The check server
+    ends with the command: interrupted, running checks are killed at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gptlab.handout.learner import server
+    from gptlab.handout.learner.formats import csv_rows, text_lines
+    from gptlab.handout.learner.grade import Names
+    from gptlab.handout.learner.isolate import check_file
+    from gptlab.handout.learner.outputs import GradesCsv
+
+    given = {"attention": args.attention, "heads": args.heads, "block": args.block, "model": args.model}
+    names = Names(**{field: value for field, value in given.items() if value is not None})
+    grades = GradesCsv(Path(args.csv), len(paths)) if args.csv else None
+
+    def graded(index: int, path: Path) -> FileReport:
+        report = check_file(path, names, args.timeout, args.memory_mb, pictures=bool(args.html),
+                            learning=args.learning, batch=paths)
+        if grades is not None:
+            grades.add(index, csv_rows([report])[0])
+        return report
+
+    reports = []
+    pool = ThreadPoolExecutor(args.jobs)
+    try:
+        for report in pool.map(graded, range(len(paths)), paths):
+            reports.append(report)
+            if not args.json:
+                print("\n".join(text_lines(report, args.verbose)), flush=True)
+        return reports
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        server.stop_server()
+        pool.shutdown()
 
 
 def cmd_break(args: argparse.Namespace) -> int:
@@ -182,20 +222,26 @@ def add_learner_commands(sub: Any) -> None:
     check.add_argument("--verbose", action="store_true", help="show the numbers behind each line and the "
                        "traceback of a file that fails, trimmed to the frames in that file")
     check.add_argument("--json", action="store_true", help="print one JSON object per check instead of text")
-    check.add_argument("--gradescope", metavar="RESULTS.json", help="also write Gradescope's autograder "
+    check.add_argument("--gradescope", metavar="RESULTS.json", type=OutputFile(),
+                       help="also write Gradescope's autograder "
                        "results (one test per check, one point each)")
-    check.add_argument("--csv", metavar="GRADES.csv", help="also write one row per file: file, passed, "
-                       "failed, skipped, score (percent of the checks that apply), error")
-    check.add_argument("--html", metavar="DIR", help="also write one offline page per file into DIR: the "
+    check.add_argument("--csv", metavar="GRADES.csv", type=OutputFile(),
+                       help="also write one row per file: file, passed, "
+                       "failed, skipped, score (percent of the checks that apply), error; rewritten as each "
+                       "file is graded, so an interrupted batch keeps its grades")
+    check.add_argument("--html", metavar="DIR", type=OutputFolder(),
+                       help="also write one offline page per file into DIR: the "
                        "checks, your attention weights on the handout's worked inputs beside the reference, "
                        "and each block's dependence of output i on input j, a leak above the diagonal marked")
     check.add_argument("--no-learning", dest="learning", action="store_false", help="leave out the §7.2 "
                        "learning checks (initial loss, gradients, memorising a batch: up to a second each)")
-    check.add_argument("--timeout", type=float, default=60, metavar="S", help="seconds each file may take "
+    check.add_argument("--timeout", type=Bounded(float, 1e-3), default=60, metavar="S",
+                       help="seconds each file may take "
                        "(default 60); the first files' include starting torch (~2 s, once)")
-    check.add_argument("--jobs", type=int, default=1, metavar="N", help="files checked at a time, the report "
+    check.add_argument("--jobs", type=COUNT, default=1, metavar="N",
+                       help="files checked at a time, the report "
                        "still in the files' order (default 1)")
-    check.add_argument("--memory-mb", type=int, default=4096, metavar="N", help="memory each file's code "
+    check.add_argument("--memory-mb", type=COUNT, default=4096, metavar="N", help="memory each file's code "
                        "may take beyond the torch import, Linux only (default 4096)")
     check.set_defaults(func=cmd_check)
 
@@ -205,9 +251,12 @@ def add_learner_commands(sub: Any) -> None:
     brk.add_argument("bug", nargs="?", metavar="BUG", help="a bug's name (see --list), or reference")
     action = brk.add_mutually_exclusive_group()
     action.add_argument("--list", action="store_true", help="name the bugs, their kind and section")
-    action.add_argument("--write", metavar="FILE.py", help="write a learner-style file with the bug")
+    action.add_argument("--write", metavar="FILE.py", type=OutputFile(),
+                        help="write a learner-style file with the bug")
     action.add_argument("--train", action="store_true", help="train the bugged and the correct model and "
                         "show the difference")
-    brk.add_argument("--seconds", type=float, default=60, help="training time of each model (default 60)")
-    brk.add_argument("--out", default="runs/break", help="folder for the picture (default runs/break)")
+    brk.add_argument("--seconds", type=Bounded(float, 1e-3), default=60,
+                     help="training time of each model (default 60)")
+    brk.add_argument("--out", default="runs/break", type=OutputFolder(),
+                     help="folder for the picture (default runs/break)")
     brk.set_defaults(func=cmd_break)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gptlab.cli.common import add_config_arguments, add_device_option, config_overrides
+from gptlab.cli.common import OutputFolder, RunPath, add_config_arguments, add_device_option, config_overrides
 from gptlab.sae.config import SAEConfig
 
 
@@ -35,6 +35,8 @@ def report(result: Any) -> list[str]:
         speed = result.trained_now / max(result.seconds, 1e-9)
         done = (f"trained on {result.trained_now:,} tokens{since} in {result.seconds:.0f} s "
                 f"({speed:,.0f} tokens/s)")
+    recovered = ("loss recovered undefined: ablating the site barely changes the loss"
+                 if m.loss_recovered is None else f"loss recovered {100 * m.loss_recovered:.1f}%")
     return [
         f"{config.width} features at {config.site}, k = {config.k}: {done}",
         f"on {m.tokens:,} held-out tokens:",
@@ -42,7 +44,7 @@ def report(result: Any) -> list[str]:
         f"  explained variance              {m.explained_variance:.3f}",
         f"  dead features                   {100 * m.dead:.1f}%",
         f"  next-token loss (nats): clean {m.loss_clean:.4f}, SAE spliced in {m.loss_spliced:.4f}, "
-        f"site zero-ablated {m.loss_zero:.4f} (loss recovered {100 * m.loss_recovered:.1f}%)",
+        f"site zero-ablated {m.loss_zero:.4f} ({recovered})",
         f"wrote {result.folder}: cfg.json and sae_weights.safetensors (SAELens: SAE.load_from_disk), "
         "sae.json, features.html (each feature's top contexts)",
     ]
@@ -66,10 +68,11 @@ def add_sae_commands(sub: Any) -> None:
         "interrupted run or, when done, only prints the figures; a larger --tokens trains on. A folder "
         "holding an SAE of other settings, another model or other data is refused.",
         epilog="example: gptlab sae train runs/demo --site h.2.resid_post --out runs/demo-sae")
-    tr.add_argument("run", help="run folder or checkpoint file (from gptlab train or import-hf)")
+    tr.add_argument("run", type=RunPath(),
+                    help="run folder or checkpoint file (from gptlab train or import-hf)")
     tr.add_argument("--site", required=True, help="the hook point to read, e.g. h.1.resid_post: embed or "
                     "h.N.resid_pre, attn.in, attn.out, mlp.out, resid_post")
-    tr.add_argument("--out", required=True, metavar="DIR", help="the SAE's folder")
+    tr.add_argument("--out", required=True, metavar="DIR", type=OutputFolder(), help="the SAE's folder")
     tr.add_argument("--data", help="the text to read activations from: a prepared folder (made with the "
                     "run's tokenizer) or a text file, folder or built-in corpus (its last tenth held out); "
                     "default: the run's own data, which an imported model does not have")

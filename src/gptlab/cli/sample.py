@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptlab.cli.common import (
+    COUNT,
+    InputFile,
+    RunPath,
     add_config_arguments,
     add_device_option,
     add_weight_options,
@@ -129,12 +132,13 @@ def add_sample_command(sub: Any) -> None:
                         "max new tokens) are the defaults of the options not given.",
                         epilog="example: gptlab sample runs/demo --prompt ROMEO: --top-p 0.9 "
                         "--stop $'\\n\\n'")
-    sa.add_argument("run", help="run folder or checkpoint file")
+    sa.add_argument("run", type=RunPath(), help="run folder or checkpoint file")
     source = sa.add_mutually_exclusive_group()
     source.add_argument("--prompt", default="\n", help="text to continue (one longer than the context window "
                         "is read from its last block_size tokens, and a note on stderr says so)")
-    source.add_argument("--prompt-file", metavar="FILE", help="continue the text of this UTF-8 file instead")
-    sa.add_argument("--num-samples", type=int, default=1, metavar="N", help="continuations (default 1)")
+    source.add_argument("--prompt-file", type=InputFile(), metavar="FILE",
+                        help="continue the text of this UTF-8 file instead")
+    sa.add_argument("--num-samples", type=COUNT, default=1, metavar="N", help="continuations (default 1)")
     sa.add_argument("--no-kv-cache", dest="use_cache", action="store_false",
                     help="recompute every step without the KV cache (the slow reference loop)")
     sa.add_argument("--json", action="store_true", help="print one JSON object per sample: prompt, "
@@ -144,7 +148,8 @@ def add_sample_command(sub: Any) -> None:
         "structured output", "the text is guaranteed to follow one of these (needs the structured extra: pip "
         "install 'gptlab[structured]'); the stop reason is eot or stop only when it is complete")
     grammar = structured.add_mutually_exclusive_group()
-    grammar.add_argument("--json-schema", metavar="FILE", help="compact JSON valid under the JSON schema in "
+    grammar.add_argument("--json-schema", type=InputFile(), metavar="FILE",
+                         help="compact JSON valid under the JSON schema in "
                          "FILE")
     grammar.add_argument("--regex", metavar="R", help="text that the regular expression R matches whole")
     grammar.add_argument("--choice", metavar="A,B,...", help="exactly one of these comma-separated strings")
@@ -154,9 +159,11 @@ def add_sample_command(sub: Any) -> None:
         "distribution (but a seed gives other samples than without it)")
     speculative.add_argument("--speculative", choices=["ngram"], help="prompt lookup (one prompt at a time, "
                              "with the KV cache); the acceptance rate goes to --json or a note on stderr")
-    speculative.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted and verified per "
+    speculative.add_argument("--draft-tokens", type=COUNT, metavar="K",
+                             help="tokens drafted and verified per "
                              "step (default 4)")
-    speculative.add_argument("--ngram", type=int, metavar="N", help="longest n-gram looked up, falling back "
+    speculative.add_argument("--ngram", type=COUNT, metavar="N",
+                             help="longest n-gram looked up, falling back "
                              "to shorter ones (default 3)")
     add_device_option(sa)
     add_weight_options(sa)

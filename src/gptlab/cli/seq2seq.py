@@ -7,6 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.cli.common import (
+    COUNT,
+    NATURAL,
+    OutputFolder,
+    RunPath,
     add_config_arguments,
     add_device_option,
     add_run_options,
@@ -143,7 +147,7 @@ def add_seq2seq_commands(sub: Any) -> None:
         epilog="example: gptlab seq2seq train --task add --max-len 3 --out runs/add3",
     )
     tr.add_argument("--task", choices=TASKS, default="reverse", help="the task (default reverse)")
-    tr.add_argument("--out", help="run folder (default: runs/seq2seq-TASK)")
+    tr.add_argument("--out", type=OutputFolder(), help="run folder (default: runs/seq2seq-TASK)")
     add_run_options(tr)
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_config_arguments(tr, TaskConfig, "task options", exclude=("task",), defaults=preset_defaults("task"))
@@ -159,7 +163,7 @@ def add_seq2seq_commands(sub: Any) -> None:
                              "right.",
                              epilog="example: gptlab seq2seq sample runs/seq2seq-reverse --input gptlab "
                              "--input attention")
-    sa.add_argument("run", help="seq2seq run folder or checkpoint file")
+    sa.add_argument("run", type=RunPath(), help="seq2seq run folder or checkpoint file")
     sa.add_argument("--input", required=True, action="append", help="a source to answer; repeatable")
     sa.add_argument("--no-kv-cache", dest="use_cache", action="store_false",
                     help="recompute the whole answer at every step (the reference decoder)")
@@ -171,9 +175,9 @@ def add_seq2seq_commands(sub: Any) -> None:
     ev = commands.add_parser("eval", help="exact match on held-out examples",
                              description="Decode held-out examples (never seen in training) and report the "
                              "share answered exactly right.")
-    ev.add_argument("run", help="seq2seq run folder or checkpoint file")
-    ev.add_argument("--examples", type=int, default=2000, help="held-out examples to decode (default 2000)")
-    ev.add_argument("--seed", type=int, default=0, help="which held-out examples (default 0)")
+    ev.add_argument("run", type=RunPath(), help="seq2seq run folder or checkpoint file")
+    ev.add_argument("--examples", type=COUNT, default=2000, help="held-out examples to decode (default 2000)")
+    ev.add_argument("--seed", type=NATURAL, default=0, help="which held-out examples (default 0)")
     add_device_option(ev)
     add_weight_options(ev)
     ev.set_defaults(func=cmd_seq2seq_eval)

@@ -9,7 +9,15 @@ import socket
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
-from gptlab.cli.common import add_device_option, add_weight_options, speculation_of
+from gptlab.cli.common import (
+    COUNT,
+    Bounded,
+    InputFile,
+    RunPath,
+    add_device_option,
+    add_weight_options,
+    speculation_of,
+)
 
 if TYPE_CHECKING:  # fastapi and torch are imported when the command runs, not when the parser is built
     from gptlab.serve.server import ServedRun
@@ -104,41 +112,47 @@ def add_serve_command(sub: Any) -> None:
         epilog="example: gptlab serve runs/demo --port 8000; with a key: GPTLAB_API_KEY=... gptlab serve "
         "runs/demo, or --api-key-file key.txt",
     )
-    serve.add_argument("run", help="a run folder or checkpoint file")
+    serve.add_argument("run", type=RunPath(), help="a run folder or checkpoint file")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this "
                        "machine only; 0.0.0.0 serves every network the machine is on)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--port", type=Bounded(int, 0, 65535), default=8000,
+                       help="TCP port (default 8000; 0 picks a free one)")
     serve.add_argument("--allowed-hosts", metavar="A,B", help="the Host names requests may be addressed to, "
                        "against DNS rebinding (default: localhost, 127.0.0.1 and [::1] on a loopback "
                        "address, any name on 0.0.0.0 or ::; * for any)")
-    serve.add_argument("--api-key-file", metavar="PATH", help="require `Authorization: Bearer KEY` on the "
+    serve.add_argument("--api-key-file", type=InputFile(), metavar="PATH",
+                       help="require `Authorization: Bearer KEY` on the "
                        "API, KEY being this file's first line (default: $GPTLAB_API_KEY if set, else no key)")
     serve.add_argument("--api-key", help=argparse.SUPPRESS)  # refused with a pointer to the safe ways
-    serve.add_argument("--max-batch", type=int, default=None, help="rows decoded together at most; later "
+    serve.add_argument("--max-batch", type=COUNT, default=None, help="rows decoded together at most; later "
                        "requests wait for a free row (default 64, or fewer when 64 do not fit in memory)")
-    serve.add_argument("--max-context", type=int, default=None, help="tokens of prompt and completion one "
+    serve.add_argument("--max-context", type=COUNT, default=None, help="tokens of prompt and completion one "
                        "row may hold, which sizes the KV cache (default: the model's context window, past "
                        "which a completion slides on)")
-    serve.add_argument("--max-tokens", type=int, default=1024,
+    serve.add_argument("--max-tokens", type=COUNT, default=1024,
                        help="the largest max_tokens a request may ask for (default 1024)")
-    serve.add_argument("--max-waiting", type=int, default=256, help="rows waiting for a free row at most; a "
+    serve.add_argument("--max-waiting", type=COUNT, default=256,
+                       help="rows waiting for a free row at most; a "
                        "request beyond is refused with 429 and Retry-After (default 256)")
-    serve.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may take from "
+    serve.add_argument("--request-timeout", type=Bounded(float, 1e-3), default=600.0,
+                       help="seconds a request may take from "
                        "its arrival: a running one ends with finish_reason length, a queued one gets a 503 "
                        "(default 600)")
-    serve.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step, so "
+    serve.add_argument("--prefill-chunk", type=COUNT, default=256,
+                       help="prompt tokens prefilled per step, so "
                        "a long prompt does not stall the other streams (default 256)")
-    serve.add_argument("--max-stops", type=int, default=4, help="stop strings per request (default 4, as "
+    serve.add_argument("--max-stops", type=COUNT, default=4, help="stop strings per request (default 4, as "
                        "OpenAI)")
-    serve.add_argument("--max-stop-chars", type=int, default=64,
+    serve.add_argument("--max-stop-chars", type=COUNT, default=64,
                        help="characters per stop string (default 64)")
-    serve.add_argument("--prefix-cache-mb", type=float, default=256, metavar="MB", help="memory for the keys "
+    serve.add_argument("--prefix-cache-mb", type=Bounded(float, 0), default=256, metavar="MB",
+                       help="memory for the keys "
                        "and values of finished requests, reused by later prompts that start with the same "
                        "tokens (a chat's history); least recently used first out; 0 turns it off (default "
                        "256)")
     serve.add_argument("--no-metrics", action="store_true", help="answer GET /metrics (Prometheus' text "
                        "format, behind the API key when there is one) with 404, and count nothing")
-    serve.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+    serve.add_argument("--threads", type=COUNT, default=max(1, (os.cpu_count() or 2) - 1),
                        help="CPU threads of the decode thread's tensor operations (default: all cores "
                        "but one, which is left to the HTTP event loop)")
     add_speculation_options(serve)
@@ -155,7 +169,9 @@ def add_speculation_options(serve: argparse.ArgumentParser) -> None:
         "model's distribution (but a seed gives other samples than without it); a request's "
         "\"speculative\": false turns it off")
     speculative.add_argument("--speculative", choices=["ngram"], help="prompt lookup for every request")
-    speculative.add_argument("--draft-tokens", type=int, metavar="K", help="tokens drafted and verified per "
+    speculative.add_argument("--draft-tokens", type=COUNT, metavar="K",
+                             help="tokens drafted and verified per "
                              "step (default 4)")
-    speculative.add_argument("--ngram", type=int, metavar="N", help="longest n-gram looked up, falling back "
+    speculative.add_argument("--ngram", type=COUNT, metavar="N",
+                             help="longest n-gram looked up, falling back "
                              "to shorter ones (default 3)")

@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.cli.common import (
+    COUNT,
+    NATURAL,
+    Bounded,
+    InputFile,
+    OutputFolder,
+    RunPath,
     add_config_arguments,
     add_run_options,
     config_overrides,
@@ -50,8 +56,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     from gptlab.inference.loading import load
     from gptlab.training import distributed
     from gptlab.training.final import final_evaluation
-    from gptlab.training.loop import train
-    from gptlab.training.presets import resolve_configs
     from gptlab.training.resume import resume_as_given
 
     out = Path(args.out)
@@ -70,18 +74,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  init_from=args.init_from, stop_at=args.stop_at,
                                  progress=not args.no_progress)
     else:
-        model_overrides = config_overrides(args, ModelConfig)
-        if args.init_from and model_overrides:
-            flags = ", ".join("--" + name.replace("_", "-") for name in model_overrides)
-            raise ValueError(f"--init-from takes the model from the checkpoint: {flags} cannot change it")
-        model_config, train_config = resolve_configs(
-            args.preset, args.config, model_overrides, config_overrides(args, TrainConfig)
-        )
-        if is_main:
-            print_configs({"model": model_config, "train": train_config}, hidden=("vocab_size",))
-        result = train(out, args.data or "shakespeare", model_config, train_config,
-                       tokenizer=args.tokenizer or "char", vocab_size=args.tokenizer_vocab_size,
-                       stop_at=args.stop_at, progress=not args.no_progress, init_from=args.init_from)
+        result = train_new(args, out, is_main)
     if not is_main:
         return result.exit_status
     # One validation number: a finished run's best checkpoint scored on its val split in order (more
@@ -99,6 +92,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.link:
         print_next_commands(out, Path(args.link))
     return 0
+
+
+def train_new(args: argparse.Namespace, out: Path, is_main: bool) -> Any:
+    """A new run as the options describe it, its configs printed first (by the main process)."""
+    from gptlab.data.corpora import check_source
+    from gptlab.training.loop import train
+    from gptlab.training.presets import resolve_configs
+
+    model_overrides = config_overrides(args, ModelConfig)
+    if args.init_from and model_overrides:
+        flags = ", ".join("--" + name.replace("_", "-") for name in model_overrides)
+        raise ValueError(f"--init-from takes the model from the checkpoint: {flags} cannot change it")
+    model_config, train_config = resolve_configs(
+        args.preset, args.config, model_overrides, config_overrides(args, TrainConfig)
+    )
+    check_source(args.data or "shakespeare")  # a mistyped --data is refused before the configs print
+    if is_main:
+        print_configs({"model": model_config, "train": train_config}, hidden=("vocab_size",))
+    return train(out, args.data or "shakespeare", model_config, train_config,
+                 tokenizer=args.tokenizer or "char", vocab_size=args.tokenizer_vocab_size,
+                 stop_at=args.stop_at, progress=not args.no_progress, init_from=args.init_from)
 
 
 def print_next_commands(out: Path, link: Path) -> None:
@@ -158,8 +172,10 @@ def add_prepare_command(sub: Any) -> None:
         "OUT/tokenizer.json and OUT/meta.json, holding out a deterministic validation split.",
     )
     prep.add_argument("source", help=source_help)
-    prep.add_argument("--out", required=True, help="folder to write (replaced only on success)")
-    prep.add_argument("--val-fraction", type=float, default=0.1, help="share held out for validation")
+    prep.add_argument("--out", required=True, type=OutputFolder(),
+                      help="folder to write (replaced only on success)")
+    prep.add_argument("--val-fraction", type=Bounded(float, 0, 1), default=0.1,
+                      help="share held out for validation")
     prep.add_argument("--split", choices=("spread", "tail"), default="spread",
                       help="spread: every tenth chunk validates, across the whole corpus (default); tail: "
                       "the last val-fraction of the text validates, as nanoGPT splits")
@@ -179,11 +195,13 @@ def add_train_commands(sub: Any) -> None:
         "and stops; --resume continues exactly.",
         epilog="example: gptlab train --preset demo --data shakespeare --out runs/demo",
     )
-    tr.add_argument("--out", default="runs/latest", help="run folder (default: runs/latest)")
+    tr.add_argument("--out", default="runs/latest", type=OutputFolder(),
+                    help="run folder (default: runs/latest)")
     add_run_options(tr)
-    tr.add_argument("--init-from", metavar="RUN", help="fine-tune: start from this run's (or an imported "
+    tr.add_argument("--init-from", metavar="RUN", type=RunPath(),
+                    help="fine-tune: start from this run's (or an imported "
                     "model's) weights and architecture, tokenizing --data with its tokenizer")
-    tr.add_argument("--samples", type=int, default=2, help=f"samples printed after training and saved in "
+    tr.add_argument("--samples", type=NATURAL, default=2, help=f"samples printed after training and saved in "
                     f"OUT/{SAMPLES} (default 2)")
     tr.add_argument("--link", metavar="PATH", help="when the run finishes, point the symlink PATH at it "
                     "(replacing an older link at once), then print the run's path and the next commands on "
@@ -201,7 +219,7 @@ def add_train_commands(sub: Any) -> None:
         "the shards, for copying a run as two files or for tools that read one file.",
         epilog="example: gptlab consolidate runs/fsdp",
     )
-    co.add_argument("run", help="run folder")
+    co.add_argument("run", type=RunPath(), help="run folder")
     co.set_defaults(func=cmd_consolidate)
 
 
@@ -212,7 +230,8 @@ def add_train_options(parser: argparse.ArgumentParser, data_help: str,
     from gptlab.training.presets import PRESETS
 
     parser.add_argument("--preset", choices=list(PRESETS), help="named settings to start from")
-    parser.add_argument("--config", metavar="FILE.toml", help="TOML file with [model] and [train] tables")
+    parser.add_argument("--config", type=InputFile(), metavar="FILE.toml",
+                        help="TOML file with [model] and [train] tables")
     parser.add_argument("--data", help=f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder "
                         "or a glob" + data_help)
     add_tokenizer_options(parser, TOKENIZERS)
@@ -223,6 +242,6 @@ def add_train_options(parser: argparse.ArgumentParser, data_help: str,
 
 def add_tokenizer_options(parser: argparse.ArgumentParser, tokenizers: Sequence[str]) -> None:
     parser.add_argument("--tokenizer", choices=tokenizers, help="how text becomes ids (default char)")
-    parser.add_argument("--vocab-size", type=int, dest="tokenizer_vocab_size", metavar="N",
+    parser.add_argument("--vocab-size", type=COUNT, dest="tokenizer_vocab_size", metavar="N",
                         help="vocabulary size of a trained bpe tokenizer")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

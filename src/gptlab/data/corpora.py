@@ -86,6 +86,12 @@ def load_text(source: str) -> str:
     return text
 
 
+def check_source(source: str) -> None:
+    """Refuse, before anything is printed or read, a source that names no corpus, file, folder or match."""
+    if source not in CORPORA:
+        _user_files(source)
+
+
 def _user_files(source: str) -> tuple[list[Path], bool]:
     """The files `source` names, and whether it named exactly one file itself."""
     path = Path(source).expanduser()

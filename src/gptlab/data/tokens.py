@@ -132,6 +132,7 @@ class TokenData:
         return data
 
     metric_names = ("val_perplexity", "val_bits_per_char")
+    selects_best = True  # a validation split of many windows: enough to choose a best checkpoint
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps to find this folder again."""

@@ -25,6 +25,7 @@ class TaskResult:
     scored: int
     skipped: int  # documents the tokenizer could not encode, or too long for the window
     seconds: float
+    chance: float | None = None  # the accuracy of guessing uniformly among each document's choices
 
 
 class TaskRefused(ValueError):
@@ -60,8 +61,10 @@ def run_task(model: GPT, tokenizer: Tokenizer, task: Task, batch_size: int = 16,
     scores = iter(score_pairs(model, requests, batch_size, progress, task.name))
     per_document = [[next(scores) for _ in pairs] for _, pairs in kept]  # [(loglikelihood, greedy)] each
     documents = [document for document, _ in kept]
+    choices = [len(document.requests) for document in documents]
+    chance = sum(1 / n for n in choices) / len(choices) if min(choices) > 1 else None  # none for LAMBADA
     return TaskResult(task, task_metrics(documents, per_document), len(kept), len(encoded) - len(kept),
-                      time.perf_counter() - begin)
+                      time.perf_counter() - begin, chance)
 
 
 def task_metrics(documents: Sequence[Document],
@@ -120,14 +123,17 @@ def source() -> str:
 
 
 def table(results: Sequence[TaskResult]) -> str:
-    """One line per task and metric: value, standard error, documents scored (and skipped), seconds."""
-    lines = [f"{'task':<14} {'variant':<10} {'shots':>5}  {'metric':<14} {'value':>8} {'stderr':>8}  "
-             f"{'documents':>9} {'skipped':>7} {'seconds':>8}"]
+    """One line per task and metric: value, standard error, the chance level beside an accuracy (guessing
+    uniformly among the choices), documents scored (and skipped), seconds."""
+    lines = [f"{'task':<14} {'variant':<10} {'shots':>5}  {'metric':<14} {'value':>8} {'stderr':>8} "
+             f"{'chance':>7}  {'documents':>9} {'skipped':>7} {'seconds':>8}"]
     for r in results:
         for m in r.metrics:
             stderr = "N/A" if m.stderr is None else f"{m.stderr:.4f}"
+            chance = f"{r.chance:.4f}" if r.chance is not None and m.name.startswith("acc") else "-"
             lines.append(f"{r.task.name:<14} {r.task.variant:<10} {r.task.shots:>5}  {m.name:<14} "
-                         f"{m.value:>8.4f} {stderr:>8}  {r.scored:>9} {r.skipped:>7} {r.seconds:>8.1f}")
+                         f"{m.value:>8.4f} {stderr:>8} {chance:>7}  {r.scored:>9} {r.skipped:>7} "
+                         f"{r.seconds:>8.1f}")
     return "\n".join(lines)
 
 

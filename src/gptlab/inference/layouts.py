@@ -1,9 +1,8 @@
 """Weight layouts for batch-1 decoding on the CPU: which storage (row- or column-major) of the nn.Linear
 weights a matrix-vector product reads faster, measured on the running machine, and the switch to it.
 
-Inference only: `checkpoint.load_run` applies `decoding_layout` to the models it loads onto the CPU;
-training keeps nn.Linear's own layout. It depends on torch alone, so `checkpoint` and `generate`
-can both import it without an import cycle.
+Inference only: `gptlab.load` applies `decoding_layout` to the models it loads onto the CPU;
+training keeps nn.Linear's own layout. It depends on torch alone.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ def decoding_layout(model: torch.nn.Module, layout: str = "measure") -> torch.nn
 
     At batch 1 a decoding step is one matrix-vector product per weight, read from memory once the
     weights outgrow the caches. "measure" times both on this CPU (`faster_layout`). Logits are
-    unchanged. `load_run` applies it to models loaded for inference on the CPU; training keeps the
+    unchanged. `gptlab.load` applies it to models loaded for inference on the CPU; training keeps the
     usual layout. Applying it twice changes nothing.
     """
     if layout not in LAYOUTS:

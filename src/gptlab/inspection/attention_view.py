@@ -146,6 +146,11 @@ class AttentionView:
     maps: AttentionMaps
     tokenizer: Tokenizer
 
+    def __repr__(self) -> str:
+        m = self.maps
+        return (f"AttentionView({len(m.layers)} layer(s) x {len(m.heads)} head(s) over {len(m.labels)} "
+                f"tokens of {m.prompt!r}; shown inline in Jupyter, .save('page.html') or .save('grid.png'))")
+
     def _repr_html_(self) -> str:
         height = 620 + 14 * len(self.maps.labels)  # the page's controls, then a grid that grows with T
         page = html.escape(attention_page(self.maps, self.tokenizer), quote=True)

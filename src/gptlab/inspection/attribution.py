@@ -17,6 +17,10 @@ Over several pairs the scores are averaged, signs kept. Where exact patching is 
 measures an estimate against it: Spearman's rank correlation over every edge, of |score| (the order in
 which a circuit search takes edges) and of the signed scores, and the overlap of the top k by |score|.
 
+Identical clean and corrupted prompts are refused (every edge would carry the same value in both runs),
+and a certificate or a circuit (`circuit`) is refused for pairs whose m barely differs between the runs
+(`unseparated`): what they would divide or rank is rounding noise.
+
 Shape legend: B runs side by side, S sources, N destinations, E edges, T positions, D width, V vocabulary.
 """
 
@@ -34,6 +38,7 @@ import torch
 from torch import nn
 
 from gptlab.config import SettingError
+from gptlab.data.corpora import read_utf8
 from gptlab.inspection.edges import EXACT_LAYERS, Graph, build_graph, edge_masks, head_outputs, run_graph
 from gptlab.inspection.patching import check_same_length
 from gptlab.inspection.tokens import encode_prompt, encode_token
@@ -44,6 +49,10 @@ METHODS = ("exact", "eap", "eap-ig", "eap-dest")
 METRIC = "logit(target) - logit(foil) after the last token"
 Unit = Callable[[torch.Tensor], torch.Tensor]  # what a destination computes from its streams (eap-dest)
 BATCH_ELEMENTS = 1 << 22  # runs side by side hold at most about this many stream values (16 MB in float32)
+# m must differ between the clean and corrupted runs by this share of its scale, max(1, |m|): float32 logits
+# round at about 1e-6 of theirs, so a smaller difference is mostly rounding, and a share of it or a ranking
+# of the edges that carry it is noise.
+SEPARATION = 1e-3
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ def make_pair(model: GPT, clean: Sequence[int], corrupt: Sequence[int], target: 
               foil: int | None = None) -> Pair:
     """A Pair, checked; `foil` defaults to the corrupted run's likeliest token other than the target."""
     check_same_length(clean, corrupt)
+    if tuple(clean) == tuple(corrupt):
+        raise SettingError("{c} and {x} are the same prompt: no edge carries a difference between them; "
+                           "corrupt the prompt where the prediction depends on it", c="clean", x="corrupt")
     if foil is None:
         with torch.no_grad():
             logits = model(torch.tensor([list(corrupt)], device=next(model.parameters()).device))[0]
@@ -84,7 +96,7 @@ def text_pair(model: GPT, tokenizer: Tokenizer, clean: str, corrupt: str, target
 def read_pairs(model: GPT, tokenizer: Tokenizer, path: str | Path) -> list[Pair]:
     """The pairs of a JSONL file, one {"clean", "corrupt", "target", "foil"} object a line (foil optional)."""
     pairs = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -98,6 +110,15 @@ def read_pairs(model: GPT, tokenizer: Tokenizer, path: str | Path) -> list[Pair]
     if not pairs:
         raise ValueError(f"{path} holds no pairs: write one JSON object a line")
     return pairs
+
+
+def unseparated(clean: float, corrupt: float) -> str | None:
+    """Why m's clean and corrupted values (means over the pairs) are too close to divide or rank by, as a
+    sentence; None when they differ by at least SEPARATION of their scale."""
+    if abs(clean - corrupt) >= SEPARATION * max(1.0, abs(clean), abs(corrupt)):
+        return None
+    return (f"the pairs (or the model) do not separate clean from corrupted: m is {clean:+.6f} clean and "
+            f"{corrupt:+.6f} corrupted, a difference under {SEPARATION:g} of its scale")
 
 
 def metric(logits: torch.Tensor, pair: Pair) -> torch.Tensor:
@@ -341,8 +362,14 @@ def nan_free(x: float) -> float | None:
 
 
 def certify(estimate: Attribution, exact: Attribution, top_k: int = 10) -> Certificate:
-    """Compare an estimate's scores with exact patching's, edge by edge."""
+    """Compare an estimate's scores with exact patching's, edge by edge; a ValueError for pairs whose m
+    barely differs (`unseparated`), whose exact scores are rounding noise to rank."""
     assert estimate.names == exact.names, "a certificate compares the same edges"
+    if top_k < 1:
+        raise SettingError(f"{{k}}={top_k}: compare at least the top 1 edge", k="top_k")
+    problem = unseparated(exact.clean, exact.corrupt)
+    if problem is not None:
+        raise ValueError(f"{problem}: exact patching's scores are rounding noise, with no order to certify")
     k = min(top_k, len(exact.names))
     a, b = estimate.scores, exact.scores
     return Certificate(spearman(a.abs(), b.abs()), spearman(a, b), k, top_overlap(a, b, k))

@@ -9,8 +9,9 @@ mean of logit(target) - logit(foil) over the pairs, normalised as `gptlab patch`
     completeness = (m(clean) - m(circuit cut)) / (m(clean) - m(corrupt))
 
 Faithfulness 1 means the circuit alone carries the whole difference; completeness 1 means cutting the
-circuit alone removes all of it (nothing outside it does the same job). `recovery` compares a circuit
-with edges known in advance (`ground_truth`).
+circuit alone removes all of it (nothing outside it does the same job). Pairs whose m barely differs
+(`attribution.unseparated`) are refused: both shares would divide by rounding noise. `recovery` compares a
+circuit with edges known in advance (`ground_truth`).
 
 Shape legend: K prefixes tried, E edges.
 """
@@ -32,6 +33,7 @@ from gptlab.inspection.attribution import (
     batch_rows,
     cut_metric,
     pair_runs,
+    unseparated,
 )
 from gptlab.inspection.edges import Graph, build_graph
 from gptlab.model import GPT
@@ -80,9 +82,10 @@ def find_circuit(model: GPT, pairs: Sequence[Pair], attribution: Attribution, ke
         raise ValueError("a circuit is searched among every edge: score all of them (no edge subset)")
     runs = [pair_runs(model, graph, pair) for pair in pairs]
     clean, corrupt = (sum(getattr(r, side) for r in runs) / len(runs) for side in ("clean", "corrupt"))
-    if abs(clean - corrupt) < 1e-6:
-        raise ValueError("the clean and corrupted prompts give the same logit difference: a circuit has "
-                         "nothing to keep; corrupt the prompts where the prediction depends on them")
+    problem = unseparated(clean, corrupt)
+    if problem is not None:  # faithfulness would divide by rounding noise
+        raise ValueError(f"{problem}: a circuit has nothing to keep a share of; corrupt the prompts where "
+                         "the prediction depends on them")
     order = attribution.scores.abs().argsort(descending=True, stable=True).tolist()
     step, curve, found = batch_rows(runs[0]), [], None
     for start in range(0, len(order) + 1, step):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
@@ -206,8 +207,9 @@ def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only
     out_dir = _new_folder(out_dir, marker)
     if adapter_only:
         with _staged(out_dir) as folder:
-            written = export_peft_adapter(model, lora, folder)
-            _write_export_marker(folder, marker, written.files)
+            with _writing(out_dir, out_dir):
+                written = export_peft_adapter(model, lora, folder)
+            _write_export_marker(folder, out_dir, marker, written.files)
         base = checkpoint.state[ADAPTER]["base"]
         note = f"load it onto its base exported on its own: gptlab export-hf {base} HF_DIR"
         return Conversion(out_dir, written.files, [note])
@@ -215,10 +217,11 @@ def export_adapter_run(checkpoint: Checkpoint, out_dir: str | Path, adapter_only
     with _bar("converting", progress) as bar:
         weights, texts = _hf_files(replace(checkpoint, model_state=tensors), bar)
         with _staged(out_dir) as folder:
-            _write_hf_files(folder, weights, texts, bar)
-            adapter = export_peft_adapter(model, lora, folder / ADAPTER_DIR, str(out_dir.resolve()))
+            _write_hf_files(folder, out_dir, weights, texts, bar)
+            with _writing(out_dir / ADAPTER_DIR, out_dir):
+                adapter = export_peft_adapter(model, lora, folder / ADAPTER_DIR, str(out_dir.resolve()))
             files = ["model.safetensors", *texts, *(f"{ADAPTER_DIR}/{name}" for name in adapter.files)]
-            _write_export_marker(folder, marker, files)
+            _write_export_marker(folder, out_dir, marker, files)
     return Conversion(out_dir, files, [])
 
 
@@ -229,9 +232,9 @@ def export_checkpoint(checkpoint: Checkpoint, out_dir: str | Path, progress: boo
     with _bar("converting", progress) as bar:
         weights, texts = _hf_files(checkpoint, bar)
         with _staged(out_dir) as folder:
-            _write_hf_files(folder, weights, texts, bar)
+            _write_hf_files(folder, out_dir, weights, texts, bar)
             files = ["model.safetensors", *texts]
-            _write_export_marker(folder, marker, files)
+            _write_export_marker(folder, out_dir, marker, files)
     return Conversion(out_dir, files, [])
 
 
@@ -241,9 +244,22 @@ def _export_marker(checkpoint: Checkpoint, adapter_only: bool) -> dict[str, Any]
     return {"command": command, "source": str(Path(checkpoint.source).resolve())}
 
 
-def _write_export_marker(folder: Path, marker: dict[str, Any], files: list[str]) -> None:
-    atomic_write_text(folder / EXPORT_MARKER,
-                      json.dumps({SOURCE_KEY: {**marker, "files": files}}, indent=2) + "\n")
+def _write_export_marker(folder: Path, out_dir: Path, marker: dict[str, Any], files: list[str]) -> None:
+    with _writing(out_dir / EXPORT_MARKER, out_dir):
+        atomic_write_text(folder / EXPORT_MARKER,
+                          json.dumps({SOURCE_KEY: {**marker, "files": files}}, indent=2) + "\n")
+
+
+@contextmanager
+def _writing(path: Path, out_dir: Path) -> Iterator[None]:
+    """Name `path`, where the export puts the file being written, in a failed write: a full disk's error
+    names no file, and the file itself was in `_staged`'s temporary folder, which is removed."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        reason = getattr(err, "strerror", None) or str(err).removeprefix("Error while serializing: ")
+        raise OSError(f"could not write {path} ({reason}); the export was abandoned and {out_dir} left as "
+                      "it was: free some space, then export again") from err
 
 
 def _hf_files(checkpoint: Checkpoint, bar: tqdm) -> tuple[dict[str, Any], dict[str, str]]:
@@ -276,12 +292,16 @@ def _hf_files(checkpoint: Checkpoint, bar: tqdm) -> tuple[dict[str, Any], dict[s
     return tensors, texts
 
 
-def _write_hf_files(folder: Path, tensors: dict[str, Any], texts: dict[str, str], bar: tqdm) -> None:
+def _write_hf_files(folder: Path, out_dir: Path, tensors: dict[str, Any], texts: dict[str, str],
+                    bar: tqdm) -> None:
+    """The weights and text files into the staging `folder` of the export to `out_dir`."""
     bar.set_description("writing model.safetensors")
-    atomic_write(folder / "model.safetensors",
-                 lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    with _writing(out_dir / "model.safetensors", out_dir):
+        atomic_write(folder / "model.safetensors",
+                     lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     for name, text in texts.items():
-        atomic_write_text(folder / name, text)
+        with _writing(out_dir / name, out_dir):
+            atomic_write_text(folder / name, text)
 
 
 def _tokenizer_config(eot: str | None, bos: str | None, block_size: int) -> dict[str, Any]:

@@ -8,7 +8,9 @@ variance), and how much of the model's behaviour survives when the SAE replaces 
   reconstruction, beside the clean loss and the loss with the site zero-ablated (its value set to 0). The
   share of the ablation's damage the SAE repairs, (zero - spliced) / (zero - clean), is the "loss
   recovered" SAELens and others report (1: as good as clean). Reconstruction errors compound through the
-  later layers, so this is the figure that says whether the features carry what the model uses.
+  later layers, so this is the figure that says whether the features carry what the model uses. It is
+  undefined (None) where ablating the site raises the loss by under UNDEFINED_GAP of it (an untrained
+  model, a site the model does not use): a share of next to nothing would be noise, 113 % or -96 %.
 - Dead features: the share of features that never fire on the held-out tokens.
 
 Shape legend: B windows, T positions, D the site's width, F features.
@@ -26,6 +28,10 @@ from gptlab.inspection.hooks import HookFn, hooked
 from gptlab.model import GPT
 from gptlab.sae.model import SparseAutoencoder
 
+# The least rise of the loss, as a share of max(1, clean loss), that zero-ablating the site must cause for
+# "loss recovered" to mean anything: below 1 % the gap is of the size of the loss's own sampling noise on a
+# few thousand held-out tokens, and an untrained model's is 1e-4 of it.
+UNDEFINED_GAP = 0.01
 
 @dataclass(frozen=True)
 class SAEMetrics:
@@ -40,10 +46,13 @@ class SAEMetrics:
     dead: float  # share of features never active on these tokens
 
     @property
-    def loss_recovered(self) -> float:
-        """(zero - spliced) / (zero - clean): the share of the ablation's damage the SAE repairs."""
+    def loss_recovered(self) -> float | None:
+        """(zero - spliced) / (zero - clean): the share of the ablation's damage the SAE repairs; None where
+        ablating the site barely changes the loss (UNDEFINED_GAP), which leaves no damage to share."""
         gap = self.loss_zero - self.loss_clean
-        return (self.loss_zero - self.loss_spliced) / gap if gap else float("nan")
+        if gap <= UNDEFINED_GAP * max(1.0, self.loss_clean):
+            return None
+        return (self.loss_zero - self.loss_spliced) / gap
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "loss_recovered": self.loss_recovered}

@@ -184,6 +184,7 @@ class TaskData:
     """A task as the training loop's data source: batches of fresh examples, exact match as a metric."""
 
     metric_names = ("val_exact_match",)
+    selects_best = True  # held-out examples drawn afresh: enough to choose a best checkpoint
 
     def __init__(self, config: TaskConfig) -> None:
         self.config, self.task, self.tokenizer = config, get_task(config.task), vocabulary()

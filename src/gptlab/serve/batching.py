@@ -9,7 +9,9 @@ keeps its own count of tokens and its own positions, and each iteration of the d
   request, through `sampling.next_token` on its own (1, V) logits, so it draws what `generate` draws
   for that prompt alone) and ends rows at a stop id, a stop string or max_tokens; a row with a grammar
   (structured output) chooses only among the tokens its matcher allows and ends when the grammar does
-  (`structured.generation.choose`), so constrained and free rows share one batched step;
+  (`structured.generation.choose`), so constrained and free rows share one batched step; a row whose
+  grammar the engine gives up on ends with an error event naming the engine's reason (status 400: the
+  request's grammar is at fault), logged;
 - prefills at most `prefill_chunk` prompt tokens (chunked prefill: a 4k-token prompt takes several
   iterations, and the other rows decode a token in each of them instead of waiting for it);
 - runs the newest token of every row in one batched forward pass. A row joins that step once all of
@@ -42,6 +44,7 @@ Text is cut exactly as `stream_text` cuts it: each row's tokens go through `gene
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -66,6 +69,7 @@ from gptlab.text.tokenizer import Tokenizer
 __all__ = ["SLOT_STEP", "Event", "Feed", "Observer", "QueueFull", "Row", "Scheduler", "Ticket"]
 
 SLOT_STEP = 64  # the cache's slots per row grow in steps of this many
+log = logging.getLogger("gptlab.serve")
 
 
 class Scheduler:
@@ -330,9 +334,15 @@ class Scheduler:
         assert row.logits is not None and row.chunks is not None
         tokens = self._choose(row)
         logits, draft, row.logits, row.draft, row.masks = row.logits, row.draft, None, [], []
-        if tokens is None:  # the row's grammar ends it here: complete, or unable to go on
+        if tokens is None:  # the row's grammar ends it here: complete, unable to go on, or given up on
             assert row.matcher is not None
-            self._finish(row, next(row.chunks), "stop" if row.matcher.complete else "length")
+            problem = row.matcher.gave_up(len(row.generated))
+            if problem is not None:
+                log.warning("structured output refused: %s", problem)
+                row.emit(Event(row.index, "", error=problem, status=400,  # the request's grammar: its fault
+                               completion_tokens=len(row.generated)))
+            else:
+                self._finish(row, next(row.chunks), "stop" if row.matcher.complete else "length")
             return True
         if draft:  # the cache keeps the newest token and the accepted drafted ones, the last token is next
             self.cache.rewind(row.slot, len(draft) + 1 - len(tokens))

@@ -28,7 +28,7 @@ from gptlab.config import SamplingConfig
 from gptlab.model import GPT
 from gptlab.sampling import sampler
 from gptlab.serve.batching import Scheduler
-from gptlab.serve.constraints import check_bias, request_grammar
+from gptlab.serve.constraints import check_bias, request_grammar, requested
 from gptlab.serve.rows import Event, QueueFull, Row, Ticket
 from gptlab.serve.schemas import APIError, CompletionRequest, Limits, SamplingRequest, sampling_config
 from gptlab.structured.grammar import Grammar
@@ -208,6 +208,8 @@ class Completion:
         self.body, self.served, self.prompts, self.echoes = body, served, prompts, echoes
         self.choices = len(prompts) * body.n
         self.prompt_tokens = prompt_tokens
+        asked = requested(body)  # checked already: the field a grammar the engine gives up on is blamed on
+        self.constraint = None if asked is None else asked[1]
         self.id = f"{self.ID_PREFIX}-{secrets.token_hex(12)}"
         self.created = int(time.time())
         self.ticket = Ticket()
@@ -242,7 +244,7 @@ class Completion:
             watcher.cancel()
         if event is not None and event.error is not None:
             self.ticket.cancel()
-            raise failure(event)
+            raise failure(event, self.constraint)
         return event
 
     async def events_until_done(self, first: Event | None = None) -> AsyncIterator[Event]:
@@ -252,7 +254,7 @@ class Completion:
             event = first if first is not None else await self.events.get()
             while event is not None:
                 if event.error is not None:
-                    raise failure(event)
+                    raise failure(event, self.constraint)
                 ended += event.finish_reason is not None
                 yield event
                 if ended == self.choices:
@@ -345,9 +347,12 @@ class Completion:
         return self.envelope(choices, completion_tokens)
 
 
-def failure(event: Event) -> APIError:
-    """The error event of a choice as the request's refusal: a 503 (with Retry-After) unless it says."""
+def failure(event: Event, constraint: str | None = None) -> APIError:
+    """The error event of a choice as the request's refusal: a 400 naming the request's `constraint` field
+    when the grammar engine gave up on its grammar, else a 503 (with Retry-After) unless it says."""
     status = event.status
+    if status == 400 and constraint is not None:
+        return APIError(400, f"{constraint}: {event.error}", constraint, "invalid_grammar")
     return APIError(status, event.error or "decoding failed", None, "decoding_failed", "server_error",
                     retry_after=BUSY_RETRY if status == 503 else None)
 

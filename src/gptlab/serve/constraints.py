@@ -4,8 +4,10 @@ logit_bias checked against the vocabulary.
 
 Every problem is a 400 naming the field (a malformed schema, a keyword the engine cannot enforce, a
 character the vocabulary lacks, the structured extra missing), before any row is queued: a request that
-asks for a constraint is never answered without it. Stop strings are refused beside a constraint (the
-grammar decides where the output ends, and a stop string could cut it short while saying "stop").
+asks for a constraint is never answered without it. A grammar the engine gives up on only once a row runs
+(past its parser's limits) is a 400 naming the same field too, or an error event ending a stream under way
+(`completion.failure`). Stop strings are refused beside a constraint (the grammar decides where the output
+ends, and a stop string could cut it short while saying "stop").
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ logit is set to -inf (`sampling.apply_mask`) and the SamplingConfig chooses amon
   follow a complete output ("stop");
 - after max_new_tokens ("length"): the output may be incomplete, and is never said to be valid;
 - when nothing allowed is left to choose (logit_bias banned every token the grammar allows, or the
-  vocabulary cannot spell what the grammar needs next): "length" too, for the same reason.
+  vocabulary cannot spell what the grammar needs next): "length" too, for the same reason;
+- when the grammar engine gives up (its error state, as for a grammar past its limits:
+  `grammar.Matcher.gave_up`): a ValueError naming the grammar and the engine's reason, never an output
+  that looks cut by max_new_tokens.
 Stop strings are refused beside a grammar: a stop string could cut a valid output short while the
 reason said "stop".
 """
@@ -55,12 +58,13 @@ def structured_tokens(model: GPT, prompt_ids: list[int], sampling: SamplingConfi
     decoder = Decoder(model, prompt_rows([prompt_ids], model.config.block_size), use_cache,
                       sampling.max_new_tokens)
     generator = generator or sampler(sampling, decoder.device)
-    for _ in range(sampling.max_new_tokens):
+    for count in range(sampling.max_new_tokens):
         token = choose(decoder.logits(), matcher, sampling, generator)
-        if token is None:
+        if token is None or not matcher.advance(token):  # the grammar ends the row, or the engine gave up
+            problem = matcher.gave_up(count)
+            if problem is not None:
+                raise ValueError(problem)
             return
-        followed = matcher.advance(token)
-        assert followed, f"the grammar engine refused token {token}, which its mask allowed"
         decoder.append(torch.tensor([[token]]))
         yield token
         if token in matcher.end_ids:

@@ -24,6 +24,10 @@ Fail closed, everywhere:
   needed and the vocabulary lacks (a char model without `{` cannot write a JSON object).
 - A token the engine does not accept is never kept: `Matcher.advance` says so, and the caller ends
   the row without it.
+- A grammar the engine gives up on is never taken for a finished output: one that matches no text (the
+  regex `[^\\s\\S]`, a schema whose `$ref` points only at itself) is refused when it is compiled, by its
+  first mask; one it gives up on later (its parser holds at most 2,000 items in a row: 2,001 alternatives
+  open at once) puts the row's matcher in its error state, and `Matcher.gave_up` says why in one line.
 """
 
 from __future__ import annotations
@@ -46,6 +50,13 @@ JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False, "coerce_one_of":
 SEARCH_STEPS = 2000  # mask computations the completion search may spend (about 20 ms for a char vocabulary)
 SEARCH_DEPTH = 256  # tokens deep the search goes before it backtracks
 CLOSERS = b'"}]'  # tried first by the search, so strings, arrays and objects close early
+# Reasons the engine stops for that it names with one word, spelt out for a reader.
+STOP_REASONS = {
+    "NoExtensionBias": "no token may come next, not even the end: the grammar matches no text from here",
+    "NoExtension": "no token may come next, not even the end: the grammar matches no text from here",
+    "LexerTooComplex": "the grammar is too complex for the engine's lexer",
+    "ParserTooComplex": "the grammar is too complex for the engine's parser",
+}
 
 
 def engine() -> Any:
@@ -155,7 +166,7 @@ class Grammar:
                  end_ids: Iterable[int] | None = None) -> None:
         """`what` names the grammar in errors ("the JSON schema", "the regex", "the choices")."""
         self.vocabulary = vocabulary(tokenizer)
-        self.text = text
+        self.text, self.what = text, what
         self.end_ids = frozenset(tokenizer.stop_ids if end_ids is None else end_ids)
         outside = sorted(i for i in self.end_ids if not 0 <= i < tokenizer.vocab_size)
         if outside:
@@ -169,6 +180,9 @@ class Grammar:
                 raise ValueError(f"{what} cannot be completed with this model's vocabulary: it has no token "
                                  f"for {listed(missing)}, which the grammar needs (a char model spells only "
                                  "the characters of its training text)")
+        first = Matcher(self)
+        if first.allowed() is None and first.state.is_error():  # nothing at all may come first
+            raise ValueError(f"{what} is not supported: {engine_reason(first.state.get_error())}")
 
     def matcher(self) -> Matcher:
         """A fresh matcher at the start of the grammar, for one row."""
@@ -207,6 +221,9 @@ class Matcher:
             return None
         # numpy, one thread: torch would split a 49k-long operation over threads that wait for each other
         bits = np.unpackbits(np.frombuffer(state.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if state.is_error():  # the engine gave up computing it (its mask then allows the end alone): closed
+            self.complete = False
+            return None
         allowed = bits[:self.vocabulary.size].astype(bool) & self.vocabulary.ordinary  # (V,)
         if bits[self.vocabulary.end] and self.end_ids:  # the grammar accepts: the row may end here
             allowed[sorted(self.end_ids)] = True
@@ -221,6 +238,14 @@ class Matcher:
             self.complete = self.state.is_accepting()
             return self.complete
         return bool(self.state.consume_token(token))
+
+    def gave_up(self, tokens: int) -> str | None:
+        """Why the engine gave up on the grammar, `tokens` tokens into the output, as one line naming the
+        grammar; None while it has not (the row ended, or goes on, as the grammar says)."""
+        if not self.state.is_error():
+            return None
+        return (f"{self.grammar.what}: the grammar engine gave up after {tokens} token"
+                f"{'' if tokens == 1 else 's'}: {engine_reason(self.state.get_error())}")
 
 
 def json_schema_grammar(tokenizer: Tokenizer, schema: Any, end_ids: Iterable[int] | None = None) -> Grammar:
@@ -244,7 +269,9 @@ def choice_grammar(tokenizer: Tokenizer, choices: Sequence[str],
     """A grammar of exactly one of `choices`."""
     if not choices or not all(isinstance(c, str) and c for c in choices):
         raise ValueError(f"the choices {list(choices)!r} must be one or more non-empty strings")
-    lark = "start: " + " | ".join(json.dumps(c) for c in choices)  # Lark's literals read JSON's escapes
+    # One token rule (upper case) for the engine's lexer, not a rule of alternatives for its parser, which
+    # holds at most 2,000 items in a row; Lark's literals read JSON's escapes.
+    lark = "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)
     return Grammar(tokenizer, engine().LLMatcher.grammar_from_lark(lark), "the choices", end_ids)
 
 
@@ -291,6 +318,14 @@ def engine_error(message: str, what: str) -> str:
     detail = next((line.removeprefix("error:").strip() for line in lines if line.startswith("error:")), None)
     first = re.sub(r"^at \d+\(\d+\): ", "", lines[0]).rstrip(":") if lines else "it does not compile"
     return f"{what} is not supported: {first}" + (f": {detail}" if detail else "")
+
+
+def engine_reason(message: str) -> str:
+    """The engine's error as one line: its first line (without advice for grammar writers), a stop reason
+    spelt out."""
+    first = next((line.strip() for line in message.splitlines() if line.strip()), "it gave no reason")
+    first = first.split("; consider ")[0]
+    return f"{STOP_REASONS[first]} ({first})" if first in STOP_REASONS else first[:300]
 
 
 def unreachable(grammar: Grammar) -> set[str]:

@@ -22,7 +22,7 @@ from gptlab.evaluation.heldout import (
     scored_tokens,
 )
 from gptlab.files import RunLock
-from gptlab.training.logs import read_columns, read_rows, write_rows
+from gptlab.training.logs import plot_losses, read_columns, read_rows, write_rows
 
 FINAL_COLUMNS = ("final_val_loss", "final_val_tokens")  # the figure and how many tokens it scored
 
@@ -44,6 +44,8 @@ def final_evaluation(run_dir: str | Path, progress: bool = False,
         evaluation = evaluate_run(run_dir, "val", EVAL_TOKENS, progress=progress, announce=announce)
         if step is not None:
             record_loss(metrics, step, evaluation.result.loss, evaluation.result.tokens)
+            if (run_dir / "loss.png").is_file():  # its mark gives the figure just printed
+                plot_losses(metrics, run_dir / "loss.png", run_dir.name, steps_csv=run_dir / "steps.csv")
         return evaluation
 
 

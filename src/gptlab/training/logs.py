@@ -116,7 +116,8 @@ def plot_losses(metrics_csv: Path, png: Path, title: str, steps_csv: Path | None
 def loss_figure(metrics_csv: Path, title: str, steps_csv: Path | None = None) -> Figure:
     """The evaluations' train and validation points from `metrics_csv`, over every step's training loss
     from `steps_csv` (raw, faint, and smoothed) when there is one; the best validation point marked, the
-    y-axis cut to the later losses (loss_limits) and the legend under the axes."""
+    y-axis cut to the later losses (loss_limits) and the legend under the axes. Where the end of training
+    scored that checkpoint on more of the val split (final_val_loss), the mark gives that figure too."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,7 +146,12 @@ def loss_figure(metrics_csv: Path, title: str, steps_csv: Path | None = None) ->
     scored = [i for i, v in enumerate(val) if math.isfinite(v)]
     if scored:
         best = min(scored, key=val.__getitem__)
-        ax.annotate(f"best val {val[best]:.4f} (step {steps[best]:,})", (steps[best], val[best]),
+        label = f"best val {val[best]:.4f} (step {steps[best]:,})"
+        if rows[best].get("final_val_loss"):  # the figure the end of training printed for this checkpoint
+            label = (f"best val {val[best]:.4f} on sampled batches (step {steps[best]:,});\n"
+                     f"{float(rows[best]['final_val_loss']):.4f} on {int(rows[best]['final_val_tokens']):,} "
+                     "val tokens, as printed")
+        ax.annotate(label, (steps[best], val[best]),
                     xytext=(-12, 28), textcoords="offset points", ha="right", fontsize="small",
                     arrowprops={"arrowstyle": "->", "color": "tab:orange"}, zorder=4)
     ax.set_xlabel("step")

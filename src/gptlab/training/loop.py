@@ -336,9 +336,11 @@ class Trainer:
         if losses is None:
             return False
         self.last_val = losses["val"]
-        improved = losses["val"] < self.best_val
-        self.best_val = min(self.best_val, losses["val"])
-        self.stale = 0 if improved else self.stale + 1
+        # The untrained model at step 0 is never "best": a run stopped before its next evaluation is then
+        # read from its last checkpoint, not from random weights.
+        improved = self.step > 0 and (losses["val"] < self.best_val or not self.data.selects_best)
+        self.best_val = min(self.best_val, losses["val"]) if self.step > 0 else self.best_val
+        self.stale = 0 if improved else self.stale + (self.step > 0)
         checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
         if self.metrics is not None:
             self.report(losses)

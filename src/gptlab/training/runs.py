@@ -43,6 +43,10 @@ class TrainingData(Protocol):
     def metric_names(self) -> tuple[str, ...]:
         """The columns `metrics` adds to metrics.csv."""
 
+    @property
+    def selects_best(self) -> bool:
+        """Whether its validation set can choose a best checkpoint; if not, best is the last one."""
+
     def check_window(self, block_size: int) -> None: ...
 
     def get_batch(self, split: str, batch_size: int, block_size: int,

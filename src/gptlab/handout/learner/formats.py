@@ -1,4 +1,5 @@
-"""The reports of `gptlab check`: text for the learner, JSON, Gradescope's results.json, a CSV of grades.
+"""The reports of `gptlab check`: text for the learner, JSON, Gradescope's results.json, the rows of a CSV
+of grades (written by outputs.py).
 
 Text is one line per check: PASS, FAIL or SKIP, the handout section and the check's name; a failure adds
 what was expected, what was measured and the most likely cause with its fix, a skip why it does not
@@ -10,7 +11,6 @@ listed in its top-level output, since a test there would show as passed.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from collections.abc import Sequence
@@ -21,7 +21,6 @@ from gptlab.handout.learner.isolate import FileReport
 from gptlab.handout.properties import Check
 
 VERDICT = {True: "PASS", False: "FAIL", None: "SKIP"}
-CSV_COLUMNS = ("file", "passed", "failed", "skipped", "score", "error")
 
 
 def counts(report: FileReport) -> tuple[int, int, int]:
@@ -122,7 +121,8 @@ def write_gradescope(reports: Sequence[FileReport], path: Path) -> None:
 
 
 def csv_rows(reports: Sequence[FileReport]) -> list[dict[str, Any]]:
-    """One row per file: its counts, the percent of applicable checks passed (0 if not checked), the error."""
+    """One row per file, outputs.CSV_COLUMNS: its counts, the percent of applicable checks passed (0 if not
+    checked), the error."""
     rows = []
     for report in reports:
         passed, failed, skipped = counts(report)
@@ -131,15 +131,6 @@ def csv_rows(reports: Sequence[FileReport]) -> list[dict[str, Any]]:
         rows.append({"file": str(report.path), "passed": passed, "failed": failed, "skipped": skipped,
                      "score": score, "error": report.error or ""})
     return rows
-
-
-def write_csv(reports: Sequence[FileReport], path: Path) -> None:
-    """Write csv_rows to `path`, with a header row."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(csv_rows(reports))
 
 
 def _test(name: str, passed: bool, output: str) -> dict[str, Any]:

@@ -5,20 +5,24 @@ without bound, a crash, a call to exit() or a wrong return shape becomes one lin
 problem, but the learner's code runs with your rights and can read, write or delete whatever you can.
 Check only code you would run yourself, or run `gptlab check` inside a container or a throw-away account.
 
-On Linux each file's child is forked from a check server, one per process and started by the first check:
-a fresh interpreter, CUDA hidden in its environment (the checks run on the CPU; CUDA would also reserve
-address space far beyond any limit), that imports torch and the checks once and runs no tensor operation
-(forking after one is unsafe: torch's thread pool). Elsewhere each child is a fresh interpreter,
-`python -m gptlab.handout.learner.isolate`, that imports them itself. Either way the child works in a
-temporary folder of its own holding copies of the learner's file and the .py files beside it (so that, in
-a batch, one file cannot delete or rewrite another), leads a new session (its whole process group is
+On Linux each file's child is forked from a check server (server.py starts it, forking.py is its loop), one
+per process and started by the first check: a fresh interpreter, CUDA hidden in its environment (the checks
+run on the CPU; CUDA would also reserve address space far beyond any limit), that imports torch and the
+checks once and runs no tensor operation (forking after one is unsafe: torch's thread pool). Elsewhere each
+child is a fresh interpreter, `python -m gptlab.handout.learner.isolate`, that imports them itself. Either
+way the child works in a temporary folder of its own holding copies of the learner's file and of its local
+import closure, the modules and packages of its folder it imports (closure.py), and nothing else of that
+folder (so that, in a batch, one file can neither read nor delete nor rewrite another; a file that imports
+another of the batch is one error naming it), has no $PWD, leads a new session (its whole process group is
 killed however it ends), has no stdin, draws matplotlib off-screen, and caps its address space (RLIMIT_AS,
-Linux) at its size after the import of torch and the checks plus `memory_mb`, so the limit is the
-learner's share whatever torch's build maps (measured with torch 2.13's CPU build: 12 MB of address space
-for bare Python, 626 MB after importing torch and the checks; a CUDA build maps more). The default of
-4096 MB is far above what the handout's tiny models need and stops an allocation without bound within a
-second or two. The wall-clock limit counts from the start of the file's check, so a server still starting
-(torch's import, ~2 s of CPU, once) takes from the first files' time. The checks come back as JSON.
+Linux) at its size after the import of torch and the checks plus `memory_mb`, so the limit is the learner's
+share whatever torch's build maps (measured with torch 2.13's CPU build: 12 MB of address space for bare
+Python, 626 MB after importing torch and the checks; a CUDA build maps more). The default of 4096 MB is far
+above what the handout's tiny models need and stops an allocation without bound within a second or two. The
+wall-clock limit counts from the start of the file's check, so a server still starting (torch's import, ~2 s
+of CPU, once) takes from the first files' time. The checks come back as JSON. A server that dies while a file
+is checked (the learner's code can kill its parent) makes that file one error, a crash, and the next file
+starts a fresh server.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import functools
 import io
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -39,8 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NoReturn
@@ -49,13 +51,17 @@ import torch
 
 from gptlab.handout.learner import server
 from gptlab.handout.learner.child import import_and_grade
+from gptlab.handout.learner.closure import local_imports
 from gptlab.handout.learner.grade import Names
 from gptlab.handout.learner.page import Pictures
-from gptlab.handout.learner.server import child_env, connection
+from gptlab.handout.learner.server import child_env
 from gptlab.handout.properties import Check, Evidence, judge
 
 MiB = 2**20
 TAIL_BYTES = 8192  # the end of the child's own output kept, for the report of a child that died
+SERVER_LOST = ("{path}: gptlab check's server, the parent of the learner's process, ended while this file "
+               "was checked: the learner's code killed it (or, with --jobs above 1, a file checked at the "
+               "same time did); graded as a crash, and the next file gets a fresh server")
 KILLED_HINT = {getattr(signal, name) for name in ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS")
                if hasattr(signal, name)}  # how memory exhaustion ends (Windows has no SIGKILL, no SIGBUS)
 
@@ -72,19 +78,36 @@ class FileReport:
     pictures: Pictures | None = None  # what the file's page draws (check_file(pictures=True), --html)
 
 
+class ServerLost(Exception):
+    """The check server died while a file's child ran; `tail` is the child's last output."""
+
+    def __init__(self, tail: str) -> None:
+        super().__init__(tail)
+        self.tail = tail
+
+
 def check_file(path: Path, names: Names, timeout_s: float = 60, memory_mb: int = 4096,
-               pictures: bool = False, learning: bool = True) -> FileReport:
+               pictures: bool = False, learning: bool = True, batch: Sequence[Path] = ()) -> FileReport:
     """Import `path` in a child process limited to `timeout_s` seconds and `memory_mb` MB beyond the torch
-    import, and grade what it defines there (with `pictures`, also measure what its page draws). Isolation
-    against mistakes, not a sandbox (module docstring)."""
+    import, and grade what it defines there (with `pictures`, also measure what its page draws). It runs
+    on a copy of itself and its local imports; one that imports another file of `batch` (those checked with
+    it) is one error naming it. Isolation against mistakes, not a sandbox (module docstring)."""
+    modules = local_imports(path)
+    if others := _batch_imports(path, modules, batch):
+        return FileReport(path, [], f"{path}: imports {', '.join(others)}, another file checked in this "
+                          "batch: a submission may import its own modules, never another submission")
     with tempfile.TemporaryDirectory(prefix="gptlab-check-") as folder:
-        copy = _private_copy(path, Path(folder) / "work")
+        copy = _private_copy(path, modules, Path(folder) / "work")
         result = Path(folder) / "result.json"
         request = {"path": str(copy), "shown": str(path), "result": str(result),
                    "names": dataclasses.asdict(names), "memory_mb": memory_mb, "pictures": pictures,
                    "learning": learning}
         run = _run_forked if server.FORK_SERVER else _run_child
-        returncode, timed_out, tail = run(request, copy.parent, timeout_s)
+        try:
+            returncode, timed_out, tail = run(request, copy.parent, timeout_s)
+        except ServerLost as lost:
+            return FileReport(path, [], SERVER_LOST.format(path=path),
+                              _own_lines(lost.tail, copy).replace(str(copy), str(path)))
         if timed_out:
             return FileReport(path, [], f"{path}: stopped at the time limit of {timeout_s:g} s: an endless "
                               "loop, or training at import? Keep script code under `if __name__ == "
@@ -113,14 +136,26 @@ def _report(path: Path, outcome: Any, memory_mb: int, copy: str) -> FileReport:
     return FileReport(path, checks, error and str(error), traceback_text, drawn)
 
 
-def _private_copy(path: Path, folder: Path) -> Path:
-    """`path` and the other .py files beside it (its helper modules) copied into `folder`: the learner's code
-    runs there, so a file that deletes or rewrites what is around it touches only its own copies."""
+def _batch_imports(path: Path, modules: set[Path], batch: Sequence[Path]) -> list[str]:
+    """The files of `batch`, as given, other than `path` itself, that are among the `modules` it imports."""
+    imported = {module.resolve() for module in modules} - {path.resolve()}
+    return list(dict.fromkeys(str(other) for other in batch if other.resolve() in imported))
+
+
+def _private_copy(path: Path, modules: set[Path], folder: Path) -> Path:
+    """`path` and the `modules` it imports from its folder (closure.local_imports) copied into `folder`, laid
+    out as they are there: the learner's code runs there, sees nothing else of its folder, and a file that
+    deletes or rewrites what is around it touches only its own copies."""
     folder.mkdir()
-    for sibling in path.resolve().parent.glob("*.py"):
-        if sibling.is_file():
-            shutil.copy2(sibling, folder / sibling.name)
-    shutil.copy2(path, folder / path.name)  # the file itself, even where the glob missed it (a symlink)
+    root = path.resolve().parent
+    for module in sorted(modules):
+        copy = folder / module.relative_to(root)
+        if module.is_dir():  # a namespace package
+            copy.mkdir(parents=True, exist_ok=True)
+        else:
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(module, copy)
+    shutil.copy2(path, folder / path.name)
     return folder / path.name
 
 
@@ -173,7 +208,8 @@ def _kill_group(child: subprocess.Popen) -> None:
 
 def _run_forked(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[int, bool, str]:
     """Run the child on `request` in `cwd`, forked by the check server: its exit status, whether it ran past
-    `timeout_s` (counted from now), its last output. However it ends, the server kills its group (_serve)."""
+    `timeout_s` (counted from now), its last output. However it ends, the server kills its group (forking);
+    where the server dies first, _server_gone does."""
     deadline = time.monotonic() + timeout_s
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     read, write = os.pipe()  # the child's stdout and stderr
@@ -181,15 +217,15 @@ def _run_forked(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[i
     with ours:
         try:
             try:
-                message = json.dumps({"request": request, "cwd": str(cwd)}).encode()
-                socket.send_fds(connection(), [message], [theirs.fileno(), write])
+                running = _send({"request": request, "cwd": str(cwd)}, [theirs.fileno(), write])
             finally:
                 theirs.close()
                 os.close(write)
-            ours.settimeout(max(deadline - time.monotonic(), 0.001))
-            reply = ours.recv(16)
-            if not reply:
-                raise RuntimeError("gptlab check's server process ended while a file was being checked")
+            first = _receive(ours, deadline)  # the child's id, sent by the child, then its exit status
+            pid = int(first[4:]) if first.startswith(b"pid ") else 0
+            reply = _receive(ours, deadline) if pid else first
+            if not reply:  # the server closed the connection first
+                _server_gone(running, pid, tail)
             returncode, timed_out = int(reply), False
         except TimeoutError:
             timed_out = True
@@ -202,6 +238,37 @@ def _run_forked(request: dict[str, Any], cwd: Path, timeout_s: float) -> tuple[i
     return returncode, timed_out, tail()
 
 
+def _send(message: dict[str, Any], fds: list[int]) -> server.Server:
+    """Send a check to the check server: `message` and `fds`, the child's connection and output. Where the
+    server has just died (killed by a file checked at the same time), once more to a fresh one."""
+    data = json.dumps(message).encode()
+    running = server.connection()
+    try:
+        socket.send_fds(running.control, [data], fds)
+    except (BrokenPipeError, ConnectionResetError):  # the server's end is closed: it is exiting
+        if not running.died():
+            raise
+        running = server.connection()
+        socket.send_fds(running.control, [data], fds)
+    return running
+
+
+def _receive(conn: socket.socket, deadline: float) -> bytes:
+    """The next message on `conn`, waited for until `deadline` (TimeoutError); b"" once it is closed."""
+    conn.settimeout(max(deadline - time.monotonic(), 0.001))
+    return conn.recv(16)
+
+
+def _server_gone(running: server.Server, pid: int, tail: Callable[[], str]) -> NoReturn:
+    """The check server closed a check's connection before sending its child's status: stopped, as the
+    command ends (a RuntimeError), or dead, killed by a learner's code. Then the child `pid` (0: not known)
+    is nobody's child: its group is killed here, at once, and ServerLost raised with its last output."""
+    if not running.died():
+        raise RuntimeError("gptlab check's server process was stopped while a file was being checked")
+    if pid:  # at once: the orphan is reaped when it ends, and its id, its group's, may then be reused
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    raise ServerLost(tail())
 
 
 def _death(path: Path, returncode: int, memory_mb: int) -> str:
@@ -261,7 +328,7 @@ def _limit_address_space(extra_mb: int) -> Callable[[], None]:
     return lambda: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def _child(request: dict[str, Any]) -> None:
+def child_job(request: dict[str, Any]) -> None:
     """The child's whole job: limits, import, grade, and the outcome written as JSON for the parent."""
     faulthandler.enable()  # a segfault in the learner's extension code still leaves a trace in the output
     torch.set_num_threads(1)  # tiny models: a second thread only adds hand-over time
@@ -271,84 +338,5 @@ def _child(request: dict[str, Any]) -> None:
     Path(request["result"]).write_text(json.dumps(outcome), encoding="utf-8")
 
 
-def _serve(fd: int) -> None:
-    """The check server's loop, on the connection `fd` from its parent: a child forked per request and its
-    exit status sent back; when the parent ends that check (or is gone) its group is killed, then the child
-    reaped: only then, so that its id, which is its group's, is not reused before the kill."""
-    control = socket.socket(fileno=fd)
-    children: dict[socket.socket, int] = {}  # each check's connection -> its child's pid, until reaped
-    running: set[socket.socket] = set()  # the checks whose child has not exited yet
-    while True:
-        for conn in select.select([control, *children], [], [], 0.02 if running else None)[0]:
-            if conn is not control:
-                conn.recv(16)  # "end", or nothing where the parent is gone
-                running.discard(conn)
-                _end(conn, children.pop(conn))
-                continue
-            message, fds, _, _ = socket.recv_fds(control, 1 << 16, 2)
-            if not message:  # the parent is gone, or stopped the server
-                for conn, pid in children.items():
-                    _end(conn, pid)
-                return
-            conn = socket.socket(fileno=fds[0])
-            children[conn] = _fork(json.loads(message), fds[1], [control, *children, conn])
-            running.add(conn)
-        for conn in list(running):
-            info = os.waitid(os.P_PID, children[conn], os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            if info is not None:  # exited, and left unreaped: a zombie holding its id
-                running.discard(conn)
-                status = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-                with contextlib.suppress(OSError):
-                    conn.send(str(status).encode())
-
-
-def _end(conn: socket.socket, pid: int) -> None:
-    """SIGKILL the process group of the unreaped child `pid`, reap the child, and close its check's `conn`."""
-    with contextlib.suppress(ProcessLookupError):  # the group is gone already
-        os.killpg(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    conn.close()
-
-
-def _fork(message: dict[str, Any], output: int, inherited: list[socket.socket]) -> int:
-    """Fork the child for `message`, `output` its stdout and stderr; its pid, once it leads a session."""
-    ready, started = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(ready)
-        os.setsid()
-        os.close(started)  # end-of-file for the server: the child leads its own session and group
-        _forked(message, output, inherited)
-    os.close(started)
-    os.close(output)
-    os.read(ready, 1)
-    os.close(ready)
-    return pid
-
-
-def _forked(message: dict[str, Any], output: int, inherited: list[socket.socket]) -> NoReturn:
-    """The forked child: none of the server's connections, its output to the parent's pipe, the private
-    folder as its working directory, then the child's job, as in a child started with -m."""
-    status = 1
-    try:
-        for conn in inherited:
-            conn.close()
-        for fd in (1, 2):
-            os.dup2(output, fd)
-        os.close(output)
-        os.chdir(message["cwd"])
-        sys.argv = [__file__, json.dumps(message["request"])]
-        sys.modules["__main__"] = sys.modules[__name__]
-        _child(message["request"])
-        status = 0
-    except BaseException:  # as an interpreter would: the traceback in the output, and status 1
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(status)
-
-
 if __name__ == "__main__":
-    _child(json.loads(sys.argv[1]))
+    child_job(json.loads(sys.argv[1]))

@@ -25,9 +25,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from gptlab.files import atomic_write_text
+from gptlab.files import HTML_MARK, atomic_write_text
 from gptlab.handout.learner.calling import AttentionFunction, LanguageModel, LearnerError, probe, run
 from gptlab.handout.learner.lm import T, block_dependence, find_blocks, sharpen
+from gptlab.handout.learner.outputs import page_file
 from gptlab.handout.properties import Check
 from gptlab.handout.worked import retrieval_inputs, weights_of
 
@@ -174,7 +175,8 @@ def leaking_blocks(pictures: Pictures) -> list[int]:
 
 
 def write_page(report: Report, folder: Path, pictures: Pictures | None = None) -> Path:
-    """Write the page of one checked file into `folder` as NAME.html (NAME the file's stem); its path."""
+    """Write the page of one checked file into `folder` as NAME.html (NAME the file's stem), marked as
+    gptlab's (files.HTML_MARK: the next `check --html` writes it again); its path."""
     pictures = pictures or Pictures()
     passed, failed, skipped = (sum(c.passed is verdict for c in report.checks) for verdict in VERDICT)
     parts = [f"<h1>gptlab check: {_text(report.path)}</h1>",
@@ -186,11 +188,11 @@ def write_page(report: Report, folder: Path, pictures: Pictures | None = None) -
     parts.append('<table class="checks"><thead><tr><th>verdict</th><th>section</th><th>check</th>'
                  f"<th>details</th><th>picture</th></tr></thead><tbody>{rows}</tbody></table>")
     parts += [_attention_section(pictures.attention), _blocks_section(pictures)]
-    page = ('<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+    page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">{HTML_MARK}'
             f"<title>gptlab check: {_text(report.path.name)}</title><style>{STYLE}</style></head>"
             f"<body>{''.join(parts)}</body></html>\n")
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{report.path.stem}.html"
+    path = page_file(folder, report.path)
     atomic_write_text(path, page)
     return path
 
