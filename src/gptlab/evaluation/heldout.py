@@ -1,6 +1,6 @@
 """Held-out evaluation: mean next-token loss, perplexity and bits per character, of a model on tokens
 (`evaluate_tokens`) or of a run on its own split or any text (`evaluate_run`). By default a run is scored on
-the first EVAL_TOKENS tokens, in order, in consecutive windows: `gptlab eval RUN` and the end of `gptlab
+EVAL_TOKENS tokens, in windows spread evenly over the text: `gptlab eval RUN` and the end of `gptlab
 train` (gptlab.training.final) score the same ones and print the same line."""
 
 from __future__ import annotations
@@ -51,21 +51,27 @@ def evaluate_tokens(
     dtype: torch.dtype = torch.float32,
     progress: bool = False,
 ) -> Evaluation:
-    """Score every token of `tokens` (after the first) once, in consecutive block_size windows; with
-    `progress`, behind a bar of the batches done."""
+    """Score the tokens of `tokens` (after the first) in block_size windows: every window, or with
+    `max_tokens` that many tokens' worth of windows spread evenly over the whole text (so a corpus of
+    files read in name order is not judged by its first files); with `progress`, behind a bar."""
     if max_tokens is not None and max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be at least 1 (leave it out to score every token)")
     block = model.config.block_size
     device = next(model.parameters()).device
-    stream = torch.from_numpy(np.asarray(tokens[: max_tokens + 1] if max_tokens else tokens).astype(np.int64))
-    n_windows = (len(stream) - 1) // block
-    if n_windows < 1:
+    stream = torch.from_numpy(np.asarray(tokens).astype(np.int64))
+    every = (len(stream) - 1) // block  # the text's whole windows
+    if every < 1:
         raise ValueError(
             f"the text has {len(stream)} tokens, fewer than one window of block_size + 1 = {block + 1}: "
             "evaluate on more text"
         )
-    x = stream[: n_windows * block].view(n_windows, block)  # (N, T)
-    y = stream[1 : n_windows * block + 1].view(n_windows, block)  # (N, T), next tokens
+    n_windows = every if max_tokens is None else min(every, max_tokens // block)
+    if n_windows < 1:
+        raise ValueError(f"max_tokens={max_tokens} is less than one window of block_size = {block} tokens: "
+                         f"score at least {block}")
+    picked = torch.arange(n_windows) * every // n_windows  # (N,): evenly spaced, all of them when N = every
+    x = stream[: every * block].view(every, block)[picked]  # (N, T)
+    y = stream[1 : every * block + 1].view(every, block)[picked]  # (N, T), next tokens
     was_training = model.training
     model.eval()
     total = 0.0
@@ -80,15 +86,15 @@ def evaluate_tokens(
     return Evaluation(loss=total / x.numel(), tokens=x.numel())
 
 
-# What `gptlab eval` and the end of `gptlab train` score unless told otherwise: the first this many tokens of
-# the text, so that the two print the same figure in seconds on a CPU (a demo's val split holds about twice
-# as many; `gptlab eval --all` scores every one).
+# What `gptlab eval` and the end of `gptlab train` score unless told otherwise: this many tokens of the text,
+# in windows spread evenly over it, so that the two print the same figure in seconds on a CPU (a demo's val
+# split holds about twice as many; `gptlab eval --all` scores every one).
 EVAL_TOKENS = 2**18
 
 
 def scored_tokens(available: int, window: int, max_tokens: int | None) -> int:
-    """How many of `available` tokens `evaluate_tokens` scores: whole windows over the first `max_tokens`
-    targets (every target when None)."""
+    """How many of `available` tokens `evaluate_tokens` scores: whole windows, `max_tokens` worth of them
+    (every target when None)."""
     targets = available - 1 if max_tokens is None else min(available - 1, max_tokens)
     return max(targets, 0) // window * window
 
@@ -134,22 +140,22 @@ class RunEvaluation:
     checkpoint: str  # checkpoint_label's name for it
     text: str  # HeldOutText.name
     available: int  # the text's tokens, of which `result.tokens` were scored
-    window: int  # the tokens are scored in consecutive windows of the model's block_size
+    window: int  # the tokens are scored in windows of the model's block_size
     result: Evaluation
 
     def line(self) -> str:
-        """The one line that reports it, saying what was scored: the whole text or its first tokens."""
+        """The one line that reports it, saying what was scored: the whole text or windows spread over it."""
         result = self.result
         bpc = f", {result.bits_per_char:.4f} bits per character" if result.bits_per_char else ""
         whole = result.tokens == scored_tokens(self.available, self.window, None)
-        which = "the whole" if whole else "the first"
+        which = "the whole" if whole else "spread evenly over all"
         return (f"{self.checkpoint} on {self.text}: loss {result.loss:.4f} nats per token, perplexity "
                 f"{result.perplexity:.3f}{bpc} ({result.tokens:,} tokens scored, {which} of "
                 f"{self.available:,}, in windows of {self.window})")
 
 
 def described(header: Checkpoint, text: HeldOutText, max_tokens: int | None, loss: float) -> RunEvaluation:
-    """The report of `loss`, the checkpoint's loss on the first `max_tokens` tokens of `text` (all: None)."""
+    """The report of `loss`, the checkpoint's loss on `max_tokens` tokens of `text` (all: None)."""
     window = header.model_config.block_size
     scored = scored_tokens(len(text.tokens), window, max_tokens)
     # Characters scale with the tokens actually scored.
@@ -161,7 +167,7 @@ def described(header: Checkpoint, text: HeldOutText, max_tokens: int | None, los
 def evaluate_run(run: str | Path, data: str = "val", max_tokens: int | None = EVAL_TOKENS,
                  dtype: str = "float32", quantize: str = "none", device: str = "cpu", progress: bool = False,
                  announce: Callable[[str], None] | None = None) -> RunEvaluation:
-    """Score a run's best checkpoint on the first `max_tokens` tokens (all: None) of `data` (train, val, a
+    """Score a run's best checkpoint on `max_tokens` tokens (all: None), spread over `data` (train, val, a
     prepared folder's val split, or any text) on `device`, its weights held as `dtype` and `quantize`
     say (gptlab.load); `progress` draws a bar of the batches, `announce` is given a line before them."""
     lm = load(run, device=device, dtype=dtype, quantize=quantize)

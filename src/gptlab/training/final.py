@@ -1,10 +1,10 @@
 """A finished run's one validation figure, what the end of `gptlab train` prints.
 
 The evaluations during training estimate the validation loss on `eval_batches` sampled batches, enough to
-choose the best checkpoint; the final figure scores that checkpoint in order on the first EVAL_TOKENS
-tokens of the val split, exactly as `gptlab eval RUN` does by default, so the two print the same line. It is
-recorded on the checkpoint's row of metrics.csv (FINAL_COLUMNS) and read back from there when the same run
-is reported again: a finished command run a second time does not score a second time.
+choose the best checkpoint; the final figure scores that checkpoint on EVAL_TOKENS tokens in windows
+spread evenly over the val split, exactly as `gptlab eval RUN` does by default, so the two print the same
+line. It is recorded on the checkpoint's row of metrics.csv (FINAL_COLUMNS) and read back from there when
+the same run is reported again: a finished command run a second time does not score a second time.
 """
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from gptlab.evaluation.heldout import (
 from gptlab.files import RunLock
 from gptlab.training.logs import plot_losses, read_columns, read_rows, write_rows
 
-FINAL_COLUMNS = ("final_val_loss", "final_val_tokens")  # the figure and how many tokens it scored
+# The figure, how many tokens it scored, and how they were chosen ("spread": windows spread evenly over the
+# split; figures recorded before, from the split's first windows, are not read back but scored again).
+FINAL_COLUMNS = ("final_val_loss", "final_val_tokens", "final_val_windows")
 
 
 def final_evaluation(run_dir: str | Path, progress: bool = False,
                      announce: Callable[[str], None] | None = None) -> RunEvaluation:
-    """The run's best checkpoint on the first EVAL_TOKENS tokens of its val split: scored (behind a bar
+    """The run's best checkpoint on EVAL_TOKENS tokens spread over its val split: scored (behind a bar
     with `progress`, after a line to `announce`) and recorded in metrics.csv, or read from there."""
     run_dir = Path(run_dir)
     with RunLock(run_dir):  # no resume of the same run writes metrics.csv meanwhile
@@ -52,7 +54,8 @@ def final_evaluation(run_dir: str | Path, progress: bool = False,
 def recorded_loss(metrics: Path, step: int | None, tokens: int) -> float | None:
     """The final figure metrics.csv holds for `step`'s checkpoint over `tokens` tokens, if it holds one."""
     for row in read_rows(metrics):
-        if row["step"] == str(step) and row.get("final_val_tokens") == str(tokens):
+        if row["step"] == str(step) and row.get("final_val_tokens") == str(tokens) and \
+                row.get("final_val_windows") == "spread":
             return float(row["final_val_loss"])
     return None
 
@@ -64,6 +67,6 @@ def record_loss(metrics: Path, step: int, loss: float, tokens: int) -> None:
     row = next((row for row in rows if row["step"] == str(step)), None)
     if row is None:
         return
-    row.update(final_val_loss=repr(loss), final_val_tokens=str(tokens))
+    row.update(final_val_loss=repr(loss), final_val_tokens=str(tokens), final_val_windows="spread")
     columns = read_columns(metrics)
     write_rows(metrics, (*columns, *(name for name in FINAL_COLUMNS if name not in columns)), rows)
