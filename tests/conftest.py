@@ -206,3 +206,23 @@ class TwoStops(CharTokenizer):
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.stops
+
+
+def tiny_chat_runs(root: Path, text: str, chats: list[Any], finetune: list[str], out: str = "lora") -> None:
+    """`gptlab train --preset tiny` for 3 steps on `text` into root/base, then `gptlab finetune` of it on the
+    conversations `chats` into root/`out` with the options `finetune`, on one thread (a few seconds)."""
+    import json
+
+    from gptlab.cli import main
+
+    (root / "text.txt").write_text(text, encoding="utf-8")
+    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats), "utf-8")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", "--preset", "tiny", "--data", str(root / "text.txt"), "--max-steps", "3",
+                     "--samples", "0", "--no-progress", "--out", str(root / "base")]) == 0
+        assert main(["finetune", str(root / "base"), "--data", str(root / "chats.jsonl"), "--out",
+                     str(root / out), *finetune]) == 0
+    finally:
+        torch.set_num_threads(threads)

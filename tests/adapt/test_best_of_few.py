@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -11,11 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
+from conftest import tiny_chat_runs
 from gptlab.adapt.finetune import MIN_VAL_EXAMPLES
 from gptlab.checkpoint import BEST, LAST, load_header, resolve_checkpoint
-from gptlab.cli import main
 
 WORDS = ["cat", "dog", "sun", "sea", "hat", "cup", "red", "toe", "bee", "ant", "owl", "elm"]
 
@@ -24,19 +22,9 @@ def finetune(root: Path, examples: int, capsys: pytest.CaptureFixture[str]) -> P
     """A 3-step base, then 12 steps of fine-tuning on `examples` conversations, evaluated every 4 steps."""
     chats = [[{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]
              for w in (WORDS * 40)[:examples]]
-    (root / "text.txt").write_text(" ".join(f"say {w}." for w in WORDS) * 40 + "\n", encoding="utf-8")
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in chats), "utf-8")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(["train", "--preset", "tiny", "--data", str(root / "text.txt"), "--max-steps", "3",
-                     "--samples", "0", "--no-progress", "--out", str(root / "base")]) == 0
-        capsys.readouterr()
-        assert main(["finetune", str(root / "base"), "--data", str(root / "chats.jsonl"), "--out",
-                     str(root / "ft"), "--max-steps", "12", "--lr", "1e-1", "--batch-size", "4",
-                     "--eval-interval", "4", "--eval-batches", "1", "--no-progress"]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    tiny_chat_runs(root, " ".join(f"say {w}." for w in WORDS) * 40 + "\n", chats,
+                   ["--max-steps", "12", "--lr", "1e-1", "--batch-size", "4", "--eval-interval", "4",
+                    "--eval-batches", "1", "--no-progress"], out="ft")
     return root / "ft"
 
 

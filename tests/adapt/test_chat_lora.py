@@ -15,7 +15,7 @@ import torch
 from test_peft import SHAPES
 from torch.testing import assert_close
 
-from conftest import assert_identical_runs
+from conftest import assert_identical_runs, tiny_chat_runs
 from gptlab.adapt.chat import add_chat_tokens, token_ids
 from gptlab.checkpoint import (
     BEST,
@@ -128,15 +128,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A tiny char run (3 steps of `gptlab train`) and a `finetune --lora 8` run of it on conversations
     (both about 2 s on one thread, shared by the tests below)."""
     root = tmp_path_factory.mktemp("chat_lora")
-    (root / "text.txt").write_text(" ".join(f"say {w}, {w}." for w in WORDS) * 40 + "\n", encoding="utf-8")
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS), "utf-8")
+    tiny_chat_runs(root, " ".join(f"say {w}, {w}." for w in WORDS) * 40 + "\n", CHATS,
+                   ["--lora", "8", *short_run(12, 12)])
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as the runs were made: the tests below compare against them
     try:
-        assert main(["train", "--preset", "tiny", "--data", str(root / "text.txt"), "--max-steps", "3",
-                     "--samples", "0", "--no-progress", "--out", str(root / "base")]) == 0
-        assert main(["finetune", str(root / "base"), "--data", str(root / "chats.jsonl"), "--out",
-                     str(root / "lora"), "--lora", "8", *short_run(12, 12)]) == 0
         yield root
     finally:
         torch.set_num_threads(threads)

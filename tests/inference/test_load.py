@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 import gptlab
 import gptlab.checkpoint
+from conftest import tiny_chat_runs
 from gptlab.cli import main
 from gptlab.inference.conversation import Conversation
 from gptlab.inference.lm import LM
@@ -26,22 +26,12 @@ PROMPT, TOKENS = "ROMEO:", 20
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny char run (3 steps of `gptlab train`) and a `finetune --lora 8` chat run of it (about 2 s)."""
     root = tmp_path_factory.mktemp("load")
-    (root / "text.txt").write_text(TEXT, encoding="utf-8")
-    (root / "chats.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS), "utf-8")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert main(["train", "--preset", "tiny", "--data", str(root / "text.txt"), "--max-steps", "3",
-                     "--samples", "0", "--no-progress", "--out", str(root / "base")]) == 0
-        assert main(["finetune", str(root / "base"), "--data", str(root / "chats.jsonl"), "--out",
-                     str(root / "lora"), "--lora", "8", "--max-steps", "12", "--lr", "3e-2", "--batch-size",
-                     "4", "--eval-interval", "12", "--eval-batches", "1", "--no-progress"]) == 0
-        yield root
-    finally:
-        torch.set_num_threads(threads)
+    tiny_chat_runs(root, TEXT, CHATS, ["--lora", "8", "--max-steps", "12", "--lr", "3e-2", "--batch-size",
+                                       "4", "--eval-interval", "12", "--eval-batches", "1", "--no-progress"])
+    return root
 
 
 def sampled(run: Path, capsys: pytest.CaptureFixture[str], *options: str) -> str:
