@@ -12,6 +12,7 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from filelock import lock_descriptor, unlock_descriptor
 
@@ -49,6 +50,11 @@ def fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def save_png(figure: Any, path: str | Path) -> None:
+    """A matplotlib figure as gptlab's PNG (PNG_MARK), written whole or not at all (`atomic_write`)."""
+    atomic_write(Path(path), lambda tmp: figure.savefig(tmp, format="png", metadata=PNG_MARK))
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:

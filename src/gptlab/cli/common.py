@@ -225,10 +225,11 @@ def add_weight_options(parser: argparse.ArgumentParser) -> None:
 def check_out(out: Path, force: bool) -> None:
     """Refuse an existing --out that gptlab did not write (a picture or page of its own is written again,
     as the same command twice must just work), unless --force."""
-    from gptlab.files import written_by_gptlab  # torch-free, but only needed when a command runs
+    from gptlab.files import remove_abandoned_temporaries, written_by_gptlab  # torch-free, but only now
 
     if out.exists() and not force and not written_by_gptlab(out):
         raise ValueError(f"--out {out} exists and was not written by gptlab: pass --force to replace it")
+    remove_abandoned_temporaries(out)  # what an earlier run of it left, killed while writing
 
 
 def speculation_of(args: argparse.Namespace) -> SpeculationConfig | None:

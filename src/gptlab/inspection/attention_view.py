@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from gptlab.config import SettingError
-from gptlab.files import PNG_MARK
+from gptlab.files import atomic_write_text, save_png
 from gptlab.inspection.hooks import record
 from gptlab.inspection.page import PAGE
 from gptlab.inspection.tokens import token_label, token_labels
@@ -107,7 +107,7 @@ def draw_grid(weights: torch.Tensor, query_labels: Sequence[str], key_labels: Se
     assert image is not None, "draw_grid needs at least one layer and one head"
     fig.colorbar(image, ax=axes, shrink=min(0.8, 3.0 / n_rows + 0.2), label="attention weight")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, format="png", metadata=PNG_MARK)
+    save_png(fig, path)
 
 
 def predictions(maps: AttentionMaps, tokenizer: Tokenizer, k: int = TOP_PREDICTIONS) -> list[list[list]]:
@@ -135,7 +135,7 @@ def attention_page(maps: AttentionMaps, tokenizer: Tokenizer) -> str:
 
 def save_attention_html(maps: AttentionMaps, tokenizer: Tokenizer, path: str | Path) -> None:
     """Write `attention_page` to `path`."""
-    Path(path).write_text(attention_page(maps, tokenizer), encoding="utf-8")
+    atomic_write_text(Path(path), attention_page(maps, tokenizer))
 
 
 @dataclass(frozen=True)

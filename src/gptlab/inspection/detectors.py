@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gptlab.config import DETECTORS
-from gptlab.files import PNG_MARK
+from gptlab.files import save_png
 from gptlab.inspection.hooks import HookFn, hooked, record
 from gptlab.inspection.interventions import draw_head_grid
 from gptlab.model import GPT, next_token_loss
@@ -145,4 +145,4 @@ def save_scores_png(scores: HeadScores, path: str | Path, title: str) -> None:
                                ".2f", lambda value: value <= 0.6)  # viridis is dark below about 0.6
     fig.colorbar(image, ax=axes, label="mean attention on the right key")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, format="png", metadata=PNG_MARK)
+    save_png(fig, path)

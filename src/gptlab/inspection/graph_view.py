@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gptlab.config import ModelConfig
-from gptlab.files import PNG_MARK
+from gptlab.files import save_png
 from gptlab.model import GPT
 
 HEAD = re.compile(r"a(\d+)\.(h|kv)(\d+)(?:\.([qkv]))?")
@@ -86,4 +86,4 @@ def save_graph_png(model: GPT, edges: Sequence[tuple[str, float]], path: str | P
                  transform=listing.transAxes)
     fig.suptitle(f"{title}\nblue: carries the clean answer (score < 0); red: score > 0; width: |score|",
                  fontsize=9)
-    fig.savefig(path, format="png", metadata=PNG_MARK)
+    save_png(fig, path)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from gptlab.config import SettingError
-from gptlab.files import PNG_MARK
+from gptlab.files import save_png
 from gptlab.inspection.detectors import DETECTORS, score_heads
 from gptlab.model import GPT
 
@@ -127,4 +127,4 @@ def save_history_png(history: HeadHistory, path: str | Path, title: str) -> None
         ax.grid(alpha=0.3)
     fig.suptitle(f"{title}: heads over training (shaded: the largest rise of the best induction score)",
                  fontsize=10)
-    fig.savefig(path, format="png", metadata=PNG_MARK)
+    save_png(fig, path)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from gptlab.config import SettingError
-from gptlab.files import PNG_MARK
+from gptlab.files import save_png
 from gptlab.inspection.hooks import hooked, record
 from gptlab.inspection.tokens import resolve_position
 from gptlab.model import GPT
@@ -126,7 +126,7 @@ def save_ablation_png(ablation: Ablation, target_label: str, path: str | Path) -
     fig.colorbar(image, ax=axes, label="change in log p (nats)")
     fig.suptitle(f"removing one head: change in log p({target_label!r}), intact {ablation.logprob:.3f}",
                  fontsize=10)
-    fig.savefig(path, format="png", metadata=PNG_MARK)
+    save_png(fig, path)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gptlab.files import PNG_MARK
+from gptlab.files import atomic_write_text, save_png
 from gptlab.inspection.hooks import record
 from gptlab.inspection.page import static_text
 from gptlab.inspection.tokens import token_label, token_labels
@@ -106,7 +106,7 @@ def save_lens_png(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> No
     ax.set_xlabel("position: token \u2192 the token that comes next")
     fig.colorbar(image, ax=ax, label="p(the actual next token)")
     fig.suptitle(f"logit lens of {lens.prompt!r} (cells: each stage's top prediction)", fontsize=10)
-    fig.savefig(path, format="png", metadata=PNG_MARK)
+    save_png(fig, path)
 
 
 def save_lens_html(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> None:
@@ -129,4 +129,4 @@ def save_lens_html(lens: LogitLens, tokenizer: Tokenizer, path: str | Path) -> N
     slots = {"TITLE": html.escape(f"logit lens: {lens.prompt!r}"), "HEADER": header, "ROWS": "".join(rows)}
     # One pass, so a prompt or token that spells a slot name is never filled in turn.
     page = re.sub("__(TITLE|HEADER|ROWS)__", lambda m: slots[m.group(1)], static_text("lens.html", None))
-    Path(path).write_text(page, encoding="utf-8")
+    atomic_write_text(Path(path), page)

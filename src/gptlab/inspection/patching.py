@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from gptlab.config import SettingError
-from gptlab.files import PNG_MARK
+from gptlab.files import save_png
 from gptlab.inspection.hooks import hooked, record
 from gptlab.inspection.lens import stage_names, stage_points
 from gptlab.model import GPT
@@ -147,4 +147,4 @@ def save_patching_png(result: Patching, labels: Sequence[str], target_label: str
     fig.colorbar(image, ax=[residual_ax, heads_ax], label="share of the logit difference restored")
     fig.suptitle(f"patching clean into corrupted: logit('{target_label}') - logit('{foil_label}'), "
                  f"clean {result.clean:.2f}, corrupted {result.corrupted:.2f}", fontsize=10)
-    fig.savefig(path, format="png", metadata=PNG_MARK)
+    save_png(fig, path)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gptlab.files import atomic_write_text
 from gptlab.inspection.page import static_text
 from gptlab.inspection.tokens import token_label
 from gptlab.model import GPT
@@ -101,4 +102,4 @@ def write_feature_page(model: GPT, tokenizer: Tokenizer, sae: SparseAutoencoder,
     inline = json.dumps(data, ensure_ascii=False).replace("<", "\\u003c")  # no "</script>" in the data
     parts = {"TITLE": html.escape(title), "DATA": inline}
     page = re.sub("__(TITLE|DATA)__", lambda m: parts[m.group(1)], page_template())
-    Path(path).write_text(page, encoding="utf-8")
+    atomic_write_text(Path(path), page)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gptlab.files import atomic_write_text
+from gptlab.files import atomic_write, atomic_write_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -107,10 +107,8 @@ def plot_losses(metrics_csv: Path, png: Path, title: str, steps_csv: Path | None
     import matplotlib.pyplot as plt
 
     fig = loss_figure(metrics_csv, title, steps_csv)
-    tmp = png.with_name(f".{png.name}.tmp.png")
-    fig.savefig(tmp)
+    atomic_write(png, lambda tmp: fig.savefig(tmp, format="png"))  # a kill leaves a name the run cleans up
     plt.close(fig)
-    tmp.replace(png)
 
 
 def loss_figure(metrics_csv: Path, title: str, steps_csv: Path | None = None) -> Figure:
