@@ -53,3 +53,12 @@ def test_the_loss_plot_marks_the_figure_the_terminal_printed(tmp_path: Path,
     loss = figure.split("loss ")[1].split(" ")[0]
     marks = [t.get_text() for t in loss_figure(run / "metrics.csv", "run").axes[0].texts]
     assert any(f"{loss} on " in mark and "as printed" in mark for mark in marks), (marks, figure)
+
+
+def test_a_repeated_ngram_order_is_refused_in_one_line(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--preset", "tiny", "--ngram-embeddings", "2", "2", "--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    printed = capsys.readouterr()
+    assert "repeats an order" in printed.err and printed.err.count("\n") == 1 and printed.out == ""
+    assert not (tmp_path / "r").exists()
