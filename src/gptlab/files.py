@@ -58,8 +58,10 @@ def save_png(figure: Any, path: str | Path) -> None:
 
 
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Call `write(tmp_path)`, fsync the file, then rename it to `path` (and fsync the folder)."""
+    """Call `write(tmp_path)`, fsync the file, then rename it to `path` (and fsync the folder). Temporaries of
+    `path` that killed writers left are removed first, so the same write again leaves none behind."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)

@@ -71,6 +71,7 @@ def benchmark_list() -> str:
 def benchmark_report(args: argparse.Namespace) -> str:
     """Score the --tasks on the run's model, write lm-eval's JSON layout to --output, and return a table."""
     from gptlab.evaluation.results import evaluate_benchmarks, lm_eval_layout, table
+    from gptlab.files import atomic_write_text
     from gptlab.inference.loading import load
 
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
@@ -86,7 +87,7 @@ def benchmark_report(args: argparse.Namespace) -> str:
         settings = {"batch_size": batch_size, "device": args.device, "dtype": args.dtype,
                     "quantize": args.quantize, "limit": args.limit}
         layout = lm_eval_layout(results, str(args.run), settings)
-        Path(args.output).write_text(json.dumps(layout, indent=2) + "\n", encoding="utf-8")
+        atomic_write_text(Path(args.output), json.dumps(layout, indent=2) + "\n")  # whole or not at all
     skipped = sum(r.skipped for r in results)
     note = (f"\n{skipped} documents skipped: characters the tokenizer cannot encode, or a continuation "
             "longer than the window" if skipped else "")

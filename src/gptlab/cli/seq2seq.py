@@ -46,6 +46,7 @@ def answer_lines(model: Any, vocab: Any, task: TaskConfig, sources: list[str],
 
 def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     """Train a new seq2seq run (or resume one), then report exact match and a few held-out answers."""
+    from gptlab.checkpoint import LAST, has_checkpoint
     from gptlab.inference.loading import load_seq2seq
     from gptlab.seq2seq import tasks
     from gptlab.seq2seq.tasks import resolve_seq2seq_configs
@@ -55,9 +56,15 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
 
     out = Path(args.out or f"runs/seq2seq-{args.task}")
     is_main = distributed.this_process().is_main
-    if args.resume:
+    repeated = not args.resume and has_checkpoint(out, LAST)  # the same command again continues its run
+    if repeated:
+        same_run(args, out)
+        if is_main:
+            print(f"note: {out} already holds this run: continuing it, as --resume would")
+    elif args.resume:
         refuse_changes([Change("{setting}", {"setting": f"{config.__name__}.{name}"})
                         for config in (TaskConfig, Seq2SeqConfig) for name in config_overrides(args, config)])
+    if args.resume or repeated:
         result = resume(out, stop_at=args.stop_at, progress=not args.no_progress, expect="encoder-decoder",
                         changes=config_overrides(args, TrainConfig))
     else:
@@ -80,6 +87,21 @@ def cmd_seq2seq_train(args: argparse.Namespace) -> int:
     shown = tasks.draw_sources(task, torch.Generator().manual_seed(1), SHOWN_EXAMPLES, held_out=True)
     print("\n".join(answer_lines(trained, vocab, task, shown)))
     return 0
+
+
+def same_run(args: argparse.Namespace, out: Path) -> None:
+    """Refuse to continue the run in `out` with other task or model settings than the ones it was started
+    with (the same command again continues it; another one would change it)."""
+    from gptlab.checkpoint import LAST, load_header
+    from gptlab.seq2seq.tasks import resolve_seq2seq_configs
+
+    header = load_header(out, prefer=LAST)
+    task, model, _ = resolve_seq2seq_configs(args.task, config_overrides(args, TaskConfig),
+                                             config_overrides(args, Seq2SeqConfig), {})
+    saved = header.model_config
+    if task.to_dict() != header.state.get("task") or model.replace(vocab_size=saved.vocab_size) != saved:
+        raise ValueError(f"{out} holds a seq2seq run with other task or model settings than these: continue "
+                         "it with --resume (its own settings), or choose another --out")
 
 
 def cmd_seq2seq_sample(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gptlab.data.corpora import load_text
-from gptlab.files import fsync
+from gptlab.files import fsync, process_alive
 from gptlab.text.bpe import text_pieces
 from gptlab.text.tokenizer import (
     Tokenizer,
@@ -59,6 +59,7 @@ def prepare(
     if split not in SPLIT_SCHEMES:
         raise ValueError(f"split={split!r} is not one of: {', '.join(SPLIT_SCHEMES)}")
     out_dir = Path(out_dir)
+    _recover(out_dir)
     _check_out_dir(out_dir)
     text = load_text(source)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else train_tokenizer(tokenizer, text, vocab_size)
@@ -129,6 +130,20 @@ SPLIT_SCHEMES = {"spread": split_tokens, "tail": tail_split}
 TAIL_RULE = "the first 1 - val_fraction of the tokens train, the rest validate"
 
 
+def _recover(out_dir: Path) -> None:
+    """Undo what a killed preparation into `out_dir` left beside it: its staging folder goes, and the earlier
+    preparation it had set aside goes back where nothing replaced it (else goes too)."""
+    for path in out_dir.parent.glob(f".{out_dir.name}.*-*"):
+        kind, _, rest = path.name.removeprefix(f".{out_dir.name}.").partition("-")
+        pid = rest.split("-")[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or process_alive(int(pid)):
+            continue  # not ours, or its preparation is still running
+        if kind == "old" and not out_dir.exists():
+            os.replace(path, out_dir)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _check_out_dir(out_dir: Path) -> None:
     """Refuse to replace anything but a missing folder, an empty one or an earlier preparation."""
     if not out_dir.exists():
@@ -142,7 +157,7 @@ def _write_data_folder(
 ) -> None:
     """Write everything into a hidden sibling folder, then move it to out_dir in one step."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-{os.getpid()}-"))
     files: dict[str, bytes | memoryview] = {f"{split}.bin": np.ascontiguousarray(ids).data
                                             for split, ids in splits.items()}
     files["tokenizer.json"] = json.dumps(tok.to_dict()).encode("utf-8")

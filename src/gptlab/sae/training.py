@@ -167,9 +167,10 @@ def train_in_folder(session: Session, config: SAEConfig, out: Path, saved: dict[
     inputs, targets = held_out_windows(session.text.val, session.model.config.block_size)
     x = site_activations(session.model, config.site, inputs).flatten(0, 1).to(sae.b_dec.device)  # (B*T, D)
     metrics = evaluate_sae(session.model, sae, config.site, inputs, targets, x)
-    save(session, config, out, trainer, generator, metrics)
     title = f"{config.width} features of {session.provenance.model_name} at {config.site}"
+    # The page before sae.json records the metrics: an SAE recorded as done always has its page.
     write_feature_page(session.model, session.tokenizer, sae, config.site, inputs, x, out / PAGE, title)
+    save(session, config, out, trainer, generator, metrics)
     tokens = trainer.steps * config.batch_size
     return SAERun(out, config, tokens, metrics, tokens - before, seconds)
 

@@ -42,12 +42,14 @@ def final_evaluation(run_dir: str | Path, progress: bool = False,
         metrics = run_dir / "metrics.csv"
         loss = recorded_loss(metrics, step, scored)
         if loss is not None:
-            return described(header, text, EVAL_TOKENS, loss)
-        evaluation = evaluate_run(run_dir, "val", EVAL_TOKENS, progress=progress, announce=announce)
-        if step is not None:
-            record_loss(metrics, step, evaluation.result.loss, evaluation.result.tokens)
-            if (run_dir / "loss.png").is_file():  # its mark gives the figure just printed
-                plot_losses(metrics, run_dir / "loss.png", run_dir.name, steps_csv=run_dir / "steps.csv")
+            evaluation = described(header, text, EVAL_TOKENS, loss)
+        else:
+            evaluation = evaluate_run(run_dir, "val", EVAL_TOKENS, progress=progress, announce=announce)
+            if step is not None:
+                record_loss(metrics, step, evaluation.result.loss, evaluation.result.tokens)
+        if (run_dir / "loss.png").is_file():  # drawn again: its mark gives the figure printed, even where
+            # a kill cut the last drawing short
+            plot_losses(metrics, run_dir / "loss.png", run_dir.name, steps_csv=run_dir / "steps.csv")
         return evaluation
 
 

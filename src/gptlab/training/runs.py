@@ -68,7 +68,7 @@ def run_folder(run_dir: Path, new: bool, redoes: Callable[[Path], bool] | None =
     a model the same command wrote before), temporary files that a killed save left are removed, and a
     new run that fails before its first checkpoint takes its folder away again, so nothing half-written
     is left. A command that refuses or fails leaves the lock file as it found it (or none, as it found
-    none), so a refused folder is byte for byte what it was.
+    none), so a refused folder is byte for byte what it was, but for a killed save's temporary files.
     """
     if not distributed.this_process().is_main:
         yield
@@ -76,9 +76,9 @@ def run_folder(run_dir: Path, new: bool, redoes: Callable[[Path], bool] | None =
     created = not run_dir.exists()
     with RunLock(run_dir) as lock:
         try:
+            remove_stale_temporaries(run_dir)  # first: a killed save's leftover is no file of the user's
             if new:
                 check_new_run(run_dir, redoes)
-            remove_stale_temporaries(run_dir)
             sharded.remove_unnamed(run_dir)  # sharded saves a kill interrupted
             yield
         except BaseException:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gptlab.files import atomic_write_text
 from gptlab.handout.learner.isolate import FileReport
 from gptlab.handout.properties import Check
 
@@ -115,9 +116,8 @@ def gradescope_results(reports: Sequence[FileReport]) -> dict[str, Any]:
 
 def write_gradescope(reports: Sequence[FileReport], path: Path) -> None:
     """Write gradescope_results to `path` (Gradescope reads /autograder/results/results.json)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(gradescope_results(reports), indent=2, ensure_ascii=False)  # § as itself
-    path.write_text(text + "\n", encoding="utf-8")
+    atomic_write_text(path, text + "\n")  # whole or not at all
 
 
 def csv_rows(reports: Sequence[FileReport]) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from gptlab.common import on_terminal, resolve_device
 from gptlab.data.corpora import load_text
 from gptlab.data.prepare import tail_split
+from gptlab.files import atomic_write
 from gptlab.handout.learner.bugs import Bug, bug_named, bug_text, reference_text
 from gptlab.text.tokenizer import CharTokenizer
 
@@ -225,7 +226,7 @@ def _draw(bug: Bug, runs: list[Run], path: Path) -> None:
     for row, run in enumerate(runs):
         notes.text(0, 0.75 - 0.5 * row, f"{run.label:<19} {_shown(run)}", family="monospace", fontsize=7.5,
                    color=("tab:blue", "tab:red")[row], transform=notes.transAxes, parse_math=False)
-    fig.savefig(path, format="png")
+    atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))  # whole or not at all
 
 
 def _shown(run: Run, chars: int = 100) -> str:
