@@ -203,7 +203,7 @@ TABLE = (
     )),
     Row("seq2seq-train", ("seq2seq", "train", *SEQ2SEQ, "--out", "runs/s2s"), (), (
         Cut("replace", "last.safetensors", 2, "SIGKILL"),
-    ), twice_defect=SEQ2SEQ_AGAIN),
+    )),
 )
 
 # Writing options of the command tree that no row covers, and why.
