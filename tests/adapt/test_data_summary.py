@@ -56,4 +56,4 @@ def test_finetune_prints_the_data_summary_before_the_first_step(tmp_path: Path, 
     first_step = next(i for i, line in enumerate(lines) if line.startswith("step "))
     assert len(summary) == 1 and summary[0] < trainer < first_step, lines
     assert "3 skipped as longer than the context" in lines[summary[0]]
-    assert lines[summary[0]].endswith("; 5 train and 1 validation examples")
+    assert "; 5 train and 1 validation examples (too few to choose a best checkpoint" in lines[summary[0]]

@@ -27,8 +27,10 @@ SHRUNK = ["--n-layer", "1", "--n-embd", "32", "--block-size", "16", "--batch-siz
 
 def demo_command() -> list[str]:
     """The arguments of the Makefile's demo line (its --data corpus replaced by a small text), shrunk."""
-    line = next(x for x in (ROOT / "Makefile").read_text().splitlines() if "--preset demo" in x)
-    words = shlex.split(line.replace("$$(date +%Y%m%d-%H%M%S)", "20260101-000000"))
+    makefile = (ROOT / "Makefile").read_text()
+    line = next(x for x in makefile.splitlines() if "gptlab train --preset demo" in x and "echo" not in x)
+    assert "out=runs/demo-$$(date +%Y%m%d-%H%M%S)" in makefile  # a new run's folder, when none is unfinished
+    words = shlex.split(line.replace("$$out", RUN).rstrip("\\ "))
     args = words[words.index("train"):]
     assert args[args.index("--out") + 1] == RUN and args[args.index("--link") + 1] == "runs/demo", line
     args[args.index("--data") + 1] = "text.txt"

@@ -338,13 +338,14 @@ class Trainer:
         self.last_val = losses["val"]
         # The untrained model at step 0 is never "best": a run stopped before its next evaluation is then
         # read from its last checkpoint, not from random weights.
-        improved = self.step > 0 and (losses["val"] < self.best_val or not self.data.selects_best)
+        improved = self.step > 0 and losses["val"] < self.best_val  # what patience counts
         self.best_val = min(self.best_val, losses["val"]) if self.step > 0 else self.best_val
         self.stale = 0 if improved else self.stale + (self.step > 0)
+        saves_best = improved or (self.step > 0 and not self.data.selects_best)
         checkpoint = self.checkpoint()  # on every rank: gathering sharded weights is collective
         if self.metrics is not None:
             self.report(losses)
-        self.save(checkpoint, [BEST, LAST] if improved else [LAST])
+        self.save(checkpoint, [BEST, LAST] if saves_best else [LAST])
         if self.dist.is_main:
             plot_losses(self.run_dir / "metrics.csv", self.run_dir / "loss.png", title=self.run_dir.name,
                         steps_csv=self.run_dir / "steps.csv")
