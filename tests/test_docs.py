@@ -35,7 +35,8 @@ SHARED_RUNS = {
     "shakespeare": ["cp -r runs/demo runs/shakespeare"],
     "base": [f"{TINY} --data corpus.txt --tokenizer bpe --vocab-size 300 --out runs/base"],
     "sft": ["gptlab finetune runs/base --data chats.jsonl --max-steps 3 --out runs/sft"],
-    "induction": ["gptlab train --preset induction --data repeats --max-steps 3 --out runs/induction"],
+    # 40 steps, not 3: attribution's pages need clean and corrupted prompts the model tells apart
+    "induction": ["gptlab train --preset induction --data repeats --max-steps 40 --out runs/induction"],
 }
 
 # A small text with every letter, digit and the punctuation the prompts use, so char models encode them.

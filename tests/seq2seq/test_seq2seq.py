@@ -365,7 +365,7 @@ def test_cli_draws_the_cross_attention_of_a_seq2seq_run(reverse_run: Path, tmp_p
     (("train", "--init-from", "RUN", "--out", "elsewhere"), "use the `gptlab seq2seq` commands"),
     (("export-hf", "RUN", "hf-folder"), "encoder-decoder (seq2seq) model"),
     (("attention", "RUN", "--prompt", "abc", "--out", "x.html"), "give --out FILE.png"),
-    (("seq2seq", "eval", "RUN", "--examples", "0"), "--examples=0 must be at least 1"),
+    (("seq2seq", "eval", "RUN", "--examples", "0"), "argument --examples: 0 is not an integer of at least 1"),
 ])
 def test_cli_mistakes_are_one_line(reverse_run: Path, argv: tuple[str, ...], message: str) -> None:
     code, _, err = run_cli(*(reverse_run if a == "RUN" else a for a in argv))
@@ -380,5 +380,5 @@ def test_cli_trains_a_task_and_refuses_a_language_model_run(tmp_path: Path) -> N
     assert code == 0 and "exact match on 20 held-out add examples" in out and " -> " in out
     config = json.loads((tmp_path / "add" / "config.json").read_text())
     assert config["task"]["task"] == "add" and config["model"]["block_size"] == 6  # "99+99" + <eos>
-    code, _, err = run_cli("seq2seq", "train", "--out", tmp_path / "add")
-    assert code == 2 and "already holds a run" in err
+    code, _, err = run_cli("seq2seq", "train", "--out", tmp_path / "add")  # the default task: another run
+    assert code == 2 and "holds a seq2seq run with other task or model settings" in err
