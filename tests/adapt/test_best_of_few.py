@@ -28,6 +28,7 @@ def finetune(root: Path, examples: int, capsys: pytest.CaptureFixture[str]) -> P
     return root / "ft"
 
 
+@pytest.mark.slow  # trains a base and fine-tunes it
 def test_too_few_validation_examples_keep_the_last_checkpoint_as_best(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = finetune(tmp_path, 24, capsys)  # 10% held out: 2 examples
@@ -47,6 +48,7 @@ def test_enough_validation_examples_choose_the_best_by_its_loss(
 
 
 
+@pytest.mark.slow  # a training process, interrupted
 def test_a_run_interrupted_before_its_first_evaluation_is_read_from_its_last_checkpoint(
         tmp_path: Path) -> None:
     """Ctrl-C before the first evaluation after step 0 leaves no "best" holding the untrained model."""

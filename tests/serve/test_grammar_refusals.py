@@ -29,6 +29,8 @@ from gptlab.serve.app import create_app  # noqa: E402
 from gptlab.serve.schemas import Limits  # noqa: E402
 from gptlab.speculative import SpeculationConfig  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a live server per case: each takes seconds
+
 # The same limit met on the first token, and later: `{"n":"c` is written before "at" meets it.
 FIRST = {"anyOf": [{"const": [i]} for i in range(2001)]}
 LATER = {"type": "object", "properties": {"n": {"enum": ["cat", "mat"]}, "a": TOO_MANY["prefixItems"][1]},
