@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_command_contract import commands
 
 from gptlab.cli import build_parser
 
@@ -816,17 +817,8 @@ def writing(parser: argparse.ArgumentParser) -> list[str]:
     return found
 
 
-def every_command(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> Iterator[
-        tuple[tuple[str, ...], argparse.ArgumentParser]]:
-    yield words, parser
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for name, sub in action.choices.items():
-                yield from every_command(sub, (*words, name))
-
-
 def test_every_writing_command_is_in_the_table_or_exempt() -> None:
-    writes = {f"{' '.join(words)} {option}" for words, parser in every_command(build_parser())
+    writes = {f"{' '.join(words)} {option}" for words, parser in commands(build_parser())
               for option in writing(parser)}
     covered = set()
     for row in TABLE:
